@@ -1,0 +1,205 @@
+"""The reference Transformer LM of the experiments (CS336 "basics" architecture) and its sizes.
+
+Pre-norm blocks: x + MHA(RMSNorm(x)) then x + SwiGLU(RMSNorm(x)); RoPE on queries and keys;
+no biases; untied embedding and LM head. The attention function is pluggable by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int = 10_000
+    context_length: int = 256
+    rope_theta: float = 10_000.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"head dim {self.d_model // self.num_heads} must be even for RoPE")
+
+
+# The five sizes of the assignment, plus "tiny" for machines without a GPU.
+MODEL_SIZES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4),
+    "small": ModelConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": ModelConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": ModelConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+}
+ASSIGNMENT_SIZES = ["small", "medium", "large", "xl", "2.7B"]
+
+
+def model_config(size: str, context_length: int = 256, vocab_size: int = 10_000) -> ModelConfig:
+    """The config of a named size at a given context length."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"size={size!r} is not one of {', '.join(MODEL_SIZES)}")
+    return replace(MODEL_SIZES[size], context_length=context_length, vocab_size=vocab_size)
+
+
+# --- attention functions: (q, k, v) of shape (B, H, T, d) -> (B, H, T, d), causal -----------------
+# Naive attention is split into its three steps so profilers can annotate each one by name.
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
+def attention_softmax(scores: torch.Tensor) -> torch.Tensor:
+    t_q, t_k = scores.shape[-2:]
+    future = torch.ones(t_q, t_k, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+
+
+def attention_weighted_sum(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return probs @ v
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return attention_weighted_sum(attention_softmax(attention_scores(q, k)), v)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from flashattn_triton import flash_attention as flash
+
+    return flash(q, k, v, is_causal=True)
+
+
+ATTENTION: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "naive": naive_attention,
+    "sdpa": sdpa_attention,
+    "flash": flash_attention,
+}
+
+
+# --- layers ----------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 for stability, return in the input dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, d/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Rotate each (even, odd) pair of features by its position's angle.
+        t = x.shape[-2]
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        x_even, x_odd = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+        return rotated.flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: str) -> None:
+        super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.rope = RotaryEmbedding(cfg.d_model // cfg.num_heads, cfg.context_length, cfg.rope_theta)
+        self.attend = ATTENTION[attention]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        y = self.attend(self.rope(q), self.rope(k), v)  # (B, H, T, d_head)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: str) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg, attention)
+        self.ffn_norm = RMSNorm(cfg.d_model)
+        self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: str = "naive") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, attention) for _ in range(cfg.num_layers))
+        self.final_norm = RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[-1] > self.cfg.context_length:
+            raise ValueError(f"sequence length {tokens.shape[-1]} exceeds context_length={self.cfg.context_length}")
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.trunc_normal_(module.weight, std=0.02, a=-0.06, b=0.06)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def forward_flops(cfg: ModelConfig, batch_size: int, context_length: int) -> float:
+    """Matrix-multiply FLOPs of one forward pass (2 per multiply-add), causal attention counted in full."""
+    tokens = batch_size * context_length
+    per_layer = 2 * tokens * (4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff)  # qkv+out, SwiGLU
+    per_layer += 2 * 2 * tokens * context_length * cfg.d_model  # QK^T and PV
+    return cfg.num_layers * per_layer + 2 * tokens * cfg.d_model * cfg.vocab_size
+
+
+def random_batch(cfg: ModelConfig, batch_size: int, context_length: int, device: torch.device | str,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random token ids: benchmarks need no data set."""
+    return torch.randint(0, cfg.vocab_size, (batch_size, context_length), device=device, generator=generator)

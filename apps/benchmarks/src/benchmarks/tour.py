@@ -1,0 +1,50 @@
+"""The main job: a short run of every experiment this machine supports, printing each table.
+
+Each experiment module has ``main(argv)`` and ``TOUR_ARGS``, the arguments of its short run
+(small CPU sizes without a GPU; the experiment picks real sizes when it finds one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+
+from benchmarks.common import console, make_parser, parse_args
+
+EXPERIMENTS = ["precision"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser("tour", __doc__.splitlines()[0])
+    parser.set_defaults(results_dir="out/tour")
+    parser.add_argument("--only", default=",".join(EXPERIMENTS),
+                        help="comma-separated experiments to run, in this order")
+    args = parse_args(parser, argv)
+    names = [n for n in args.only.split(",") if n]
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        parser.error(f"--only: unknown experiment(s) {', '.join(unknown)}; choose from {', '.join(EXPERIMENTS)}")
+    shared = ["--results-dir", str(args.results_dir)] + (["--no-save"] if args.no_save else [])
+    outcomes = []
+    for name in names:
+        module = importlib.import_module(f"benchmarks.{name}")
+        console.rule(f"[bold]python -m benchmarks.{name} {' '.join(module.TOUR_ARGS)}")
+        start = time.perf_counter()
+        try:
+            module.main([*module.TOUR_ARGS, *shared])
+            outcomes.append((name, "ok", time.perf_counter() - start))
+        except Exception:
+            console.print(traceback.format_exc(), style="red")
+            outcomes.append((name, "FAILED", time.perf_counter() - start))
+    console.rule("[bold]tour")
+    for name, outcome, seconds in outcomes:
+        console.print(f"{name:<12} {outcome:<7} {seconds:7.1f} s")
+    failed = [name for name, outcome, _ in outcomes if outcome != "ok"]
+    console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran"
+                  + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
