@@ -1,3 +1,34 @@
-"""Profiling toolkit for PyTorch training: timing, NVTX ranges, per-phase kernel summaries and memory timelines."""
+"""Profiling toolkit for PyTorch training.
+
+Timing, NVTX ranges, per-phase kernel summaries and memory timelines.
+"""
+
+from profkit import kernels, memory, nsys, nvtx
+from profkit.kernels import (
+    KernelReport,
+    KernelTable,
+    TraceEvent,
+    is_matmul,
+    profile_phases,
+    summarize_kernels,
+)
+from profkit.memory import (
+    PeakMemory,
+    read_peak_memory,
+    record_memory_history,
+    render_memory_timeline,
+    reset_peak_memory,
+)
+from profkit.nsys import NsysNotFoundError, nsys_command, run_nsys
+from profkit.precision import autocast, autocast_dtype
+from profkit.timing import PhaseClock, Timing, run_steps, synchronize, time_phases, time_steps
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "KernelReport", "KernelTable", "NsysNotFoundError", "PeakMemory", "PhaseClock", "Timing", "TraceEvent",
+    "autocast", "autocast_dtype", "is_matmul", "kernels", "memory", "nsys", "nsys_command", "nvtx",
+    "profile_phases", "read_peak_memory", "record_memory_history", "render_memory_timeline",
+    "reset_peak_memory", "run_nsys", "run_steps", "summarize_kernels", "synchronize", "time_phases",
+    "time_steps",
+]
