@@ -1,0 +1,359 @@
+"""ShardedOptimizer: optimizer-state sharding (ZeRO stage 1) around any torch.optim.Optimizer."""
+
+from __future__ import annotations
+
+import heapq
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from shardopt._collectives import all_gather_objects, all_gather_single, move_objects
+
+StateDict = dict[str, Any]
+# Keys of a param group that are not hyperparameters.
+_GROUP_MEMBERS = ("params", "param_names")
+
+
+def balanced_owners(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The rank owning each item: largest first, each onto the least-loaded rank so far.
+
+    Ties go to the lower index and the lower rank, so every rank computes the same answer.
+    Greedy largest-first bounds every rank's load by (total / world_size) + the largest item.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    loads = [(0, rank) for rank in range(world_size)]
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, rank = heapq.heappop(loads)
+        owners[index] = rank
+        heapq.heappush(loads, (load + sizes[index], rank))
+    return owners
+
+
+class ShardedOptimizer(Optimizer):
+    """Each rank keeps optimizer state for its shard of the parameters only (ZeRO stage 1).
+
+    Every parameter belongs to exactly one rank of ``process_group`` (shards balanced by bytes).
+    ``optimizer_cls(**kwargs)`` runs over the local shard; :meth:`step` updates the shard and then
+    all-gathers the updated parameters, one collective per parameter dtype: the parameters live
+    as views into one flat buffer per dtype, laid out rank by rank, so the gather is in place.
+
+    Gradients must already be identical on every rank (a DDP wrapper's job) when :meth:`step`
+    runs. Construct it after the model has its final device and dtype, with the same parameters,
+    in the same order, on every rank; call :meth:`add_param_group` on every rank too.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+                 optimizer_cls: type[Optimizer], process_group: ProcessGroup | None = None,
+                 **kwargs: Any) -> None:
+        _check_optimizer_cls(optimizer_cls)
+        param_groups = _as_param_groups(params, "params")
+        if not any(group["params"] for group in param_groups):
+            raise ValueError("params: got an empty parameter list; there is nothing to shard")
+        self.device = _common_device(list(chain.from_iterable(g["params"] for g in param_groups)), "params")
+        self.process_group = _resolve_group(process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.optimizer_cls = optimizer_cls
+        self._optimizer_kwargs = kwargs
+        self._local_optimizer: Optimizer | None = None
+        self._owners: list[int] = []
+        super().__init__(param_groups, defaults=dict(kwargs))
+        self._reshard()
+
+    # --- public API ---------------------------------------------------------------------------------
+
+    @property
+    def local_optimizer(self) -> Optimizer:
+        """The ``optimizer_cls`` instance that steps this rank's shard."""
+        assert self._local_optimizer is not None
+        return self._local_optimizer
+
+    @property
+    def param_owners(self) -> list[int]:
+        """The rank of ``process_group`` owning each parameter, in ``param_groups`` order."""
+        return list(self._owners)
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Step the local shard with ``optimizer_cls``, then bring every rank's parameters up to date.
+
+        ``closure`` and ``kwargs`` go to the local optimizer's ``step``. Call it on every rank.
+        """
+        params = self._params()
+        if any(p.data_ptr() != pointer for p, pointer in zip(params, self._param_pointers, strict=True)):
+            raise RuntimeError(
+                "params: a parameter's storage was replaced after the ShardedOptimizer was built "
+                "(model.to(), param.data = ..., load_state_dict(assign=True)?); the optimizer keeps every "
+                "parameter in a flat buffer, so build it once the model has its final device and dtype")
+        self._push_hyperparameters()
+        loss = self.local_optimizer.step(closure, **kwargs) if closure is not None \
+            else self.local_optimizer.step(**kwargs)
+        for flat, shard_numel in self._flat_buffers:
+            all_gather_single(flat, flat.narrow(0, self.rank * shard_numel, shard_numel),
+                              group=self.process_group)
+        return loss
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (on every rank); shards rebalance, existing state moves with its parameter."""
+        if self._local_optimizer is None:  # called by Optimizer.__init__: sharding happens afterwards
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise TypeError("param_group: expected a dict with a 'params' entry, "
+                            f"got {type(param_group).__name__}")
+        param_group = _as_param_groups([param_group], "param_group")[0]
+        _common_device([*param_group["params"], self._params()[0]], "param_group")
+        super().add_param_group(param_group)
+        self._reshard()
+
+    def state_dict(self) -> StateDict:
+        """This rank's shard: ``torch.optim`` format, state only for the parameters this rank owns.
+
+        Parameter ids are global (positions in ``param_groups`` order), and ``"shard"`` records
+        which rank of how many saved it. To change the number of ranks, save
+        :meth:`consolidate_state_dict` instead.
+        """
+        shard = super().state_dict()
+        shard["shard"] = {"rank": self.rank, "world_size": self.world_size, "params": self._local_ids()}
+        return shard
+
+    def consolidate_state_dict(self, to: int = 0) -> StateDict | None:
+        """Gather the full state dict on rank ``to`` of ``process_group``; ``None`` on the other ranks.
+
+        Call it on every rank. The result is what ``optimizer_cls`` over all parameters would return
+        from ``state_dict()`` (load it there, or into a ShardedOptimizer on any number of ranks);
+        its tensors are copies on the CPU.
+        """
+        if not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"to: expected a rank of process_group (0..{self.world_size - 1}), got {to!r}")
+        params = self._params()
+        outgoing = {} if self.rank == to else {i: (to, self.state[params[i]]) for i in self._local_ids()
+                                                if self.state.get(params[i])}
+        received = move_objects(outgoing, self.process_group, self.device, torch.device("cpu"))
+        if self.rank != to:
+            return None
+        full = super().state_dict()
+        full["state"] = dict(sorted({**_cpu_copy(full["state"]), **received}.items()))
+        return full
+
+    def load_state_dict(self, state_dict: StateDict) -> None:
+        """Load a full state dict (from :meth:`consolidate_state_dict` or ``optimizer_cls``), on every rank.
+
+        Each rank keeps the state of the parameters it owns, so a run saved on N ranks resumes on M.
+        A shard from :meth:`state_dict` loads only where this rank owns no parameter the shard lacks.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        saved_groups = _check_state_dict(state_dict, self.param_groups)
+        local_ids = self._local_ids()
+        shard = state_dict.get("shard")
+        if shard is not None:
+            missing = sorted(set(local_ids) - set(shard["params"]))
+            if missing:
+                raise ValueError(
+                    f"state_dict: holds rank {shard['rank']}'s shard of a {shard['world_size']}-rank layout, "
+                    f"without the state of parameter(s) {missing[:8]} that rank {self.rank} of "
+                    f"{self.world_size} owns now; to change the number of ranks or the param groups, "
+                    "save consolidate_state_dict() and load that on every rank")
+        # Saved ids pair with our parameters by position, as in torch.optim.Optimizer.load_state_dict.
+        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        local_index = {global_index: i for i, global_index in enumerate(local_ids)}
+        local_groups, start = [], 0
+        for group in saved_groups:
+            end = start + len(group["params"])
+            positions = [p for p in range(start, end) if self._owners[p] == self.rank]
+            local_group = {**group, "params": [local_index[p] for p in positions]}
+            if "param_names" in group:
+                local_group["param_names"] = [group["param_names"][p - start] for p in positions]
+            local_groups.append(local_group)
+            start = end
+        local_state = {local_index[p]: state_dict["state"][saved_ids[p]]
+                       for p in local_ids if saved_ids[p] in state_dict["state"]}
+        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.state = self.local_optimizer.state
+        for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
+            for key in [k for k in group if k not in _GROUP_MEMBERS]:
+                del group[key]
+            group.update(_hyperparameters(local))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # --- sharding -----------------------------------------------------------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _local_ids(self) -> list[int]:
+        return [i for i, owner in enumerate(self._owners) if owner == self.rank]
+
+    def _reshard(self) -> None:
+        """Assign parameters to ranks, move existing state to its new owner, rebuild buffers and optimizer."""
+        params = self._params()
+        self._check_same_parameters_on_every_rank()
+        owners = balanced_owners([p.numel() * p.element_size() for p in params], self.world_size)
+        # Existing parameters keep their positions (add_param_group appends), so old ids stay valid.
+        outgoing = {i: (owners[i], self.state[params[i]]) for i in self._local_ids()
+                    if owners[i] != self.rank and self.state.get(params[i])}
+        arrived = move_objects(outgoing, self.process_group, self.device, self.device)
+        kept = {i: self.state[params[i]] for i in self._local_ids()
+                if owners[i] == self.rank and self.state.get(params[i])}
+        self._owners = owners
+        self._layout_flat_buffers(params)
+        self._build_local_optimizer({**kept, **arrived})
+
+    def _check_same_parameters_on_every_rank(self) -> None:
+        """Fail on every rank, instead of hanging, if ranks passed different parameters."""
+        signature = [(g, tuple(p.shape), str(p.dtype)) for g, group in enumerate(self.param_groups)
+                     for p in group["params"]]
+        digests = all_gather_objects(zlib.crc32(repr(signature).encode()), self.process_group, self.device)
+        if len(set(digests)) > 1:
+            raise ValueError(
+                f"params: ranks of process_group passed different parameters (shapes, dtypes or groups "
+                f"differ; digests by rank: {digests}); every rank must pass the same parameters in the "
+                "same order")
+
+    def _layout_flat_buffers(self, params: list[torch.Tensor]) -> None:
+        """Make every parameter a view into one flat buffer per dtype: rank 0's shard, rank 1's, ...
+
+        Each rank's region is padded to the largest shard so that one in-place all-gather per dtype
+        updates every parameter; the padding is at most one largest parameter per rank.
+        """
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, p in enumerate(params):
+            by_dtype.setdefault(p.dtype, []).append(index)
+        self._flat_buffers: list[tuple[torch.Tensor, int]] = []
+        for dtype, indices in by_dtype.items():
+            per_rank = [[i for i in indices if self._owners[i] == rank] for rank in range(self.world_size)]
+            shard_numel = max(sum(params[i].numel() for i in shard) for shard in per_rank)
+            if shard_numel == 0:
+                continue
+            flat = torch.zeros(self.world_size * shard_numel, dtype=dtype, device=self.device)
+            for rank, shard in enumerate(per_rank):
+                offset = rank * shard_numel
+                for i in shard:
+                    view = flat[offset: offset + params[i].numel()].view_as(params[i])
+                    view.copy_(params[i].detach())
+                    params[i].data = view
+                    offset += params[i].numel()
+            self._flat_buffers.append((flat, shard_numel))
+        self._param_pointers = [p.data_ptr() for p in params]
+
+    def _build_local_optimizer(self, states: dict[int, dict[str, Any]]) -> None:
+        """optimizer_cls over this rank's shard, group by group (empty groups kept so indices line up)."""
+        params = self._params()
+        local_groups, start = [], 0
+        for group in self.param_groups:
+            mine = [i for i in range(len(group["params"])) if self._owners[start + i] == self.rank]
+            local_group = {**_hyperparameters(group), "params": [group["params"][i] for i in mine]}
+            if "param_names" in group:
+                local_group["param_names"] = [group["param_names"][i] for i in mine]
+            local_groups.append(local_group)
+            start += len(group["params"])
+        optimizer = self.optimizer_cls(local_groups, **self._optimizer_kwargs)
+        for index, state in states.items():
+            optimizer.state[params[index]] = state
+        self._local_optimizer = optimizer
+        self.state = optimizer.state
+        self.defaults = {**optimizer.defaults, **self.defaults}
+        # Show the optimizer's own defaults (betas, eps, ...) in our groups, as optimizer_cls would.
+        for group, local in zip(self.param_groups, optimizer.param_groups, strict=True):
+            for key, value in _hyperparameters(local).items():
+                group.setdefault(key, value)
+
+    def _push_hyperparameters(self) -> None:
+        """Carry hyperparameter changes made on our groups (LR schedulers, users) to the local optimizer."""
+        for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
+            local.update(_hyperparameters(group))
+
+
+# --- argument checks ------------------------------------------------------------------------------
+
+def _check_optimizer_cls(optimizer_cls: Any) -> None:
+    if isinstance(optimizer_cls, Optimizer):
+        raise TypeError(f"optimizer_cls: pass the class, not an instance (e.g. torch.optim.AdamW, not "
+                        f"torch.optim.AdamW(...)); got an instance of {type(optimizer_cls).__name__}")
+    if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, Optimizer):
+        raise TypeError("optimizer_cls: expected a torch.optim.Optimizer subclass such as torch.optim.AdamW, "
+                        f"got {optimizer_cls!r}")
+    if issubclass(optimizer_cls, ShardedOptimizer):
+        raise TypeError("optimizer_cls: ShardedOptimizer cannot shard itself; pass the optimizer to run on "
+                        "each shard, such as torch.optim.AdamW")
+
+
+def _as_param_groups(params: Any, argument: str) -> list[dict[str, Any]]:
+    """Param groups as lists of tensors (names kept), copied so the caller's dicts stay as they were."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"{argument}: expected an iterable of tensors or of param-group dicts, got a single "
+                        "tensor; wrap it in a list")
+    items = list(params)
+    groups = [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+    for group in groups:
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        if members and isinstance(members[0], tuple):
+            group["param_names"] = [name for name, _ in members]
+            members = [p for _, p in members]
+        group["params"] = members
+    tensors = [p for g in groups for p in g["params"]]
+    if len({id(p) for p in tensors}) != len(tensors):
+        raise ValueError(f"{argument}: a parameter appears more than once; list each parameter once")
+    return groups
+
+
+def _common_device(params: list[Any], argument: str) -> torch.device:
+    devices = {p.device for p in params if isinstance(p, torch.Tensor)}
+    if len(devices) > 1:
+        found = sorted(map(str, devices))
+        raise ValueError(f"{argument}: all parameters must be on one device, got {found}; "
+                         "move the model to its device before building the optimizer")
+    if not devices:
+        raise TypeError(f"{argument}: expected tensors, got {type(params[0]).__name__}")
+    return devices.pop()
+
+
+def _resolve_group(process_group: ProcessGroup | None) -> ProcessGroup:
+    if not dist.is_available():
+        raise RuntimeError("process_group: this build of torch has no torch.distributed")
+    if process_group is None:
+        if not dist.is_initialized():
+            raise RuntimeError("process_group: none given and torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group() first (torchrun sets its environment) "
+                               "or pass process_group=")
+        return dist.group.WORLD
+    if process_group == dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
+        raise ValueError("process_group: this rank is not a member of it")
+    return process_group
+
+
+def _check_state_dict(state_dict: Any, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("state_dict: expected a dict with 'state' and 'param_groups' (from state_dict(), "
+                         "consolidate_state_dict() or a torch.optim optimizer's state_dict())")
+    saved = state_dict["param_groups"]
+    saved_sizes = [len(g["params"]) for g in saved]
+    sizes = [len(g["params"]) for g in groups]
+    if saved_sizes != sizes:
+        raise ValueError(f"state_dict: its param groups hold {saved_sizes} parameters, "
+                         f"this optimizer's hold {sizes}")
+    return saved
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _GROUP_MEMBERS}
+
+
+def _cpu_copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(v) for v in value)
+    return value

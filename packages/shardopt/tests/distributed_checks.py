@@ -1,0 +1,356 @@
+"""Checks of ShardedOptimizer that need several processes, and their launcher (used by test_distributed.py).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 distributed_checks.py RESULTS_DIR
+
+Every rank runs the checks of its world size in order and records each outcome in
+RESULTS_DIR/rank<r>.json as it goes. Starting processes costs seconds, so one launch runs them all.
+The first failure ends the process with an error, and torchrun then stops the other ranks.
+Every rank computes the same gradients (same data, same model), so no DDP wrapper is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardopt import ShardedOptimizer
+
+OPTIMIZERS: list[tuple[type[torch.optim.Optimizer], dict]] = [
+    (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+    (torch.optim.RMSprop, {"lr": 1e-3, "centered": True, "momentum": 0.5}),
+    (torch.optim.Adagrad, {"lr": 1e-2}),  # builds its state in __init__, not lazily in step
+]
+
+
+class ParamBag(nn.Module):
+    """Parameters of chosen sizes and dtypes, and a loss that gives each one a different gradient."""
+
+    def __init__(self, sizes: list[int], seed: int = 0, dtypes: list[torch.dtype] | None = None) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        dtypes = dtypes or [torch.float32] * len(sizes)
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(n, generator=generator, dtype=dtype))
+                                        for n, dtype in zip(sizes, dtypes, strict=True))
+
+    def loss(self, step: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1000 + step)
+        total = torch.zeros((), dtype=torch.float64)
+        for w in self.weights:
+            target = torch.randn(w.shape, generator=generator, dtype=w.dtype)
+            total = total + (w.tanh() - target).square().sum().double()
+        return total
+
+
+def train(model: ParamBag, optimizer: torch.optim.Optimizer, steps: range,
+          reference: tuple[ParamBag, torch.optim.Optimizer] | None = None) -> None:
+    """Train `steps`; with a reference (model, optimizer) alongside, demand equal parameters every step."""
+    for step in steps:
+        pairs = [(model, optimizer)] + ([reference] if reference else [])
+        for m, o in pairs:
+            o.zero_grad()
+            m.loss(step).backward()
+            o.step()
+        if reference:
+            assert_equal_params(model, reference[0], f"after step {step}")
+
+
+def assert_equal_params(model: nn.Module, reference: nn.Module, when: str) -> None:
+    for i, (p, q) in enumerate(zip(model.parameters(), reference.parameters(), strict=True)):
+        assert torch.equal(p, q), f"parameter {i} differs from the unsharded optimizer's {when}: " \
+                                  f"max abs diff {(p - q).abs().max().item():.3g}"
+
+
+def assert_equal_state_dicts(got: dict, expected: dict) -> None:
+    assert got["param_groups"] == expected["param_groups"], (got["param_groups"], expected["param_groups"])
+    assert sorted(got["state"]) == sorted(expected["state"]), (list(got["state"]), list(expected["state"]))
+    for index, state in expected["state"].items():
+        assert state.keys() == got["state"][index].keys()
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, got["state"][index][key]), f"state[{index}][{key!r}] differs"
+            else:
+                assert value == got["state"][index][key]
+
+
+def world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+# --- checks ------------------------------------------------------------------------------------------
+
+def check_every_optimizer_matches_unsharded(_: Path) -> None:
+    rank, world_size = world()
+    for optimizer_cls, kwargs in OPTIMIZERS:
+        model = ParamBag([40, 7, 33, 5, 64, 1, 12])
+        reference = copy.deepcopy(model)
+        optimizer = ShardedOptimizer(model.parameters(), optimizer_cls, **kwargs)
+        train(model, optimizer, range(4), (reference, optimizer_cls(reference.parameters(), **kwargs)))
+        owners = optimizer.param_owners
+        assert sorted(set(owners)) == list(range(world_size)), f"{optimizer_cls.__name__}: owners {owners}"
+        mine = {p for p, owner in zip(model.parameters(), owners, strict=True) if owner == rank}
+        assert set(optimizer.state) == mine, f"{optimizer_cls.__name__}: rank {rank} holds state of others"
+
+
+def check_param_groups_and_lr_scheduler(_: Path) -> None:
+    model = ParamBag([30, 3, 20, 9, 16])
+    reference = copy.deepcopy(model)
+
+    def groups(m: ParamBag) -> list[dict]:
+        w = list(m.weights)
+        return [{"params": w[:2]}, {"params": w[2:4], "lr": 3e-2, "weight_decay": 0.0, "betas": (0.8, 0.9)},
+                {"params": w[4:], "lr": 1e-3}]
+
+    optimizer = ShardedOptimizer(groups(model), torch.optim.AdamW, lr=1e-2, weight_decay=0.05)
+    reference_optimizer = torch.optim.AdamW(groups(reference), lr=1e-2, weight_decay=0.05)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in reference_optimizer.param_groups]
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+                  for o in (optimizer, reference_optimizer)]
+    for step in range(5):
+        train(model, optimizer, range(step, step + 1), (reference, reference_optimizer))
+        for scheduler in schedulers:
+            scheduler.step()
+    assert optimizer.param_groups[1]["lr"] == reference_optimizer.param_groups[1]["lr"] < 3e-2
+
+
+def check_add_param_group_moves_state_with_its_parameter(_: Path) -> None:
+    # Sizes chosen so the big newcomer pushes earlier parameters (with state) onto other ranks.
+    model = ParamBag([80, 72, 64, 56, 160])
+    reference = copy.deepcopy(model)
+    first, later = list(model.weights)[:4], list(model.weights)[4:]
+    optimizer = ShardedOptimizer(first, torch.optim.AdamW, lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(list(reference.weights)[:4], lr=1e-2)
+    train(model, optimizer, range(2), (reference, reference_optimizer))
+    before = optimizer.param_owners
+    optimizer.add_param_group({"params": later, "lr": 5e-2})
+    reference_optimizer.add_param_group({"params": list(reference.weights)[4:], "lr": 5e-2})
+    after = optimizer.param_owners
+    assert any(b != a for b, a in zip(before, after[:4], strict=True)), f"nothing moved: {before} -> {after}"
+    assert optimizer.param_groups[1]["lr"] == 5e-2 and "betas" in optimizer.param_groups[1]
+    train(model, optimizer, range(2, 5), (reference, reference_optimizer))
+    full = optimizer.consolidate_state_dict(to=0)
+    if dist.get_rank() == 0:
+        assert_equal_state_dicts(full, reference_optimizer.state_dict())
+
+
+def check_state_dict_shard_consolidate_and_resume(tmp: Path) -> None:
+    rank, world_size = world()
+    model = ParamBag([24, 5, 40, 3, 17, 8])
+    reference = copy.deepcopy(model)
+    groups = lambda m: [{"params": list(m.weights)[:3]}, {"params": list(m.weights)[3:], "lr": 2e-2}]  # noqa: E731
+    optimizer = ShardedOptimizer(groups(model), torch.optim.AdamW, lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(groups(reference), lr=1e-2)
+    train(model, optimizer, range(3), (reference, reference_optimizer))
+
+    shard = optimizer.state_dict()
+    owned = [i for i, owner in enumerate(optimizer.param_owners) if owner == rank]
+    assert sorted(shard["state"]) == owned and shard["shard"] == {"rank": rank, "world_size": world_size,
+                                                                  "params": owned}
+    expected = reference_optimizer.state_dict()
+    for to in range(world_size):
+        full = optimizer.consolidate_state_dict(to=to)
+        if rank == to:
+            assert_equal_state_dicts(full, expected)
+            assert all(t.device.type == "cpu" for s in full["state"].values() for t in s.values())
+            torch.save({"optimizer": full, "model": model.state_dict()}, tmp / "full.pt")
+        else:
+            assert full is None
+    dist.barrier()
+
+    # The consolidated dict loads into the unsharded class and resumes exactly... (each optimizer gets
+    # its own copy: load_state_dict keeps CPU tensors as they are, so two loads of one dict share state)
+    checkpoint = torch.load(tmp / "full.pt", weights_only=True)
+    plain_model = ParamBag([24, 5, 40, 3, 17, 8], seed=1)
+    plain_model.load_state_dict(checkpoint["model"])
+    plain = torch.optim.AdamW(groups(plain_model), lr=1e-2)
+    plain.load_state_dict(checkpoint["optimizer"])
+    # ...and into a fresh ShardedOptimizer; so does each rank's own shard.
+    resumed = []
+    for saved in (torch.load(tmp / "full.pt", weights_only=True)["optimizer"], copy.deepcopy(shard)):
+        m = ParamBag([24, 5, 40, 3, 17, 8], seed=2)
+        m.load_state_dict(checkpoint["model"])
+        o = ShardedOptimizer(groups(m), torch.optim.AdamW, lr=0.5)  # lr comes back from the checkpoint
+        o.load_state_dict(saved)
+        assert o.param_groups[1]["lr"] == 2e-2
+        resumed.append((m, o))
+    train(model, optimizer, range(3, 5), (reference, reference_optimizer))
+    loaded = ["torch.optim.AdamW", "ShardedOptimizer from the full dict", "ShardedOptimizer from its shard"]
+    for how, (m, o) in zip(loaded, [(plain_model, plain), *resumed], strict=True):
+        train(m, o, range(3, 5))
+        assert_equal_params(m, reference, f"after resuming in {how}")
+
+    # Another rank's shard lacks this rank's state: refused, with a pointer to consolidation.
+    other = {**shard, "shard": {**shard["shard"], "params": []}}
+    try:
+        resumed[1][1].load_state_dict(other)
+    except ValueError as error:
+        assert "state_dict" in str(error) and "consolidate_state_dict" in str(error), error
+    else:
+        raise AssertionError("loading a shard without this rank's state was accepted")
+
+
+def check_edge_layouts(_: Path) -> None:
+    """Fewer parameters than ranks, two dtypes (two flat buffers), a closure, zero_grad of every gradient."""
+    _, world_size = world()
+    two_dtypes = [torch.float32, torch.float64] * 2
+    for sizes, dtypes in [([9] * (world_size - 1), None), ([20, 6, 31, 4], two_dtypes)]:
+        model = ParamBag(sizes, dtypes=dtypes)
+        reference = copy.deepcopy(model)
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2)
+        train(model, optimizer, range(3), (reference, torch.optim.Adam(reference.parameters(), lr=1e-2)))
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model.loss(7)
+        loss.backward()
+        return loss
+
+    expected = model.loss(7).detach()
+    assert torch.equal(optimizer.step(closure).detach(), expected), "step(closure) returns the closure's loss"
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def check_bad_input_fails_on_every_rank(_: Path) -> None:
+    rank, world_size = world()
+    model = ParamBag([10, 20, 30])
+    params = list(model.parameters()) + ([nn.Parameter(torch.zeros(3))] if rank == 0 else [])
+    expect_error(lambda: ShardedOptimizer(params, torch.optim.SGD, lr=0.1), ValueError, "params")
+
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    expect_error(lambda: optimizer.consolidate_state_dict(to=world_size), ValueError, "to")
+    expect_error(lambda: optimizer.add_param_group({"params": [torch.zeros(2, device="meta")]}),
+                 ValueError, "param_group")
+    model.loss(0).backward()
+    model.weights[1].data = model.weights[1].data.clone()  # what model.to() does to each parameter
+    expect_error(optimizer.step, RuntimeError, "params")
+
+
+def check_reshard_between_two_and_three_ranks(tmp: Path) -> None:
+    """Save on 2 ranks, resume on 3, and the other way round; both equal uninterrupted training."""
+    rank, _ = world()
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        expect_error(lambda: ShardedOptimizer([nn.Parameter(torch.zeros(2))], torch.optim.SGD, pair, lr=0.1),
+                     ValueError, "process_group")
+    sizes = [33, 4, 50, 12, 27, 2, 19]
+    groups = lambda m: [{"params": list(m.weights)[:4]}, {"params": list(m.weights)[4:], "lr": 3e-2}]  # noqa: E731
+    reference = ParamBag(sizes)
+    reference_optimizer = torch.optim.AdamW(groups(reference), lr=1e-2)
+    train(reference, reference_optimizer, range(6))
+    for save_group, load_group, name in [(pair, None, "2to3"), (None, pair, "3to2")]:
+        if save_group is None or rank < 2:
+            model = ParamBag(sizes)
+            optimizer = ShardedOptimizer(groups(model), torch.optim.AdamW, save_group, lr=1e-2)
+            train(model, optimizer, range(3))
+            full = optimizer.consolidate_state_dict(to=0)
+            if rank == 0:
+                torch.save({"optimizer": full, "model": model.state_dict()}, tmp / f"{name}.pt")
+        dist.barrier()
+        if load_group is None or rank < 2:
+            checkpoint = torch.load(tmp / f"{name}.pt", weights_only=True)
+            model = ParamBag(sizes, seed=3)
+            model.load_state_dict(checkpoint["model"])
+            optimizer = ShardedOptimizer(groups(model), torch.optim.AdamW, load_group, lr=1e-2)
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            train(model, optimizer, range(3, 6))
+            assert_equal_params(model, reference, f"after resharding {name}")
+
+
+def expect_error(fn: Callable[[], object], error: type[Exception], argument: str) -> None:
+    try:
+        fn()
+    except error as caught:
+        assert str(caught).startswith(f"{argument}:"), f"message does not name {argument!r}: {caught}"
+    else:
+        raise AssertionError(f"no {error.__name__} naming {argument!r}")
+
+
+CHECKS: dict[str, tuple[Callable[[Path], None], tuple[int, ...]]] = {
+    "every_optimizer_matches_unsharded": (check_every_optimizer_matches_unsharded, (2, 3)),
+    "param_groups_and_lr_scheduler": (check_param_groups_and_lr_scheduler, (2, 3)),
+    "add_param_group_moves_state": (check_add_param_group_moves_state_with_its_parameter, (2, 3)),
+    "state_dict_shard_consolidate_and_resume": (check_state_dict_shard_consolidate_and_resume, (2, 3)),
+    "edge_layouts": (check_edge_layouts, (2, 3)),
+    "bad_input_fails_on_every_rank": (check_bad_input_fails_on_every_rank, (2, 3)),
+    "reshard_between_two_and_three_ranks": (check_reshard_between_two_and_three_ranks, (3,)),
+}
+
+
+def checks_for(world_size: int) -> list[str]:
+    return [name for name, (_, sizes) in CHECKS.items() if world_size in sizes]
+
+
+def launch(world_size: int, results_dir: Path, timeout_s: float = 150) -> dict[str, str]:
+    """Run this file on `world_size` gloo processes; {check: 'ok' or why not}, over all ranks.
+
+    The whole process group (torchrun and its workers) is killed at the time limit, so a hang
+    fails the tests instead of stalling them.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world_size}", __file__, str(results_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        log, _ = process.communicate(timeout=timeout_s)
+        ending = f"torchrun exited with code {process.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+        ending = f"killed after {timeout_s:.0f} s"
+    per_rank = [json.loads(path.read_text()) if path.exists() else {}
+                for path in (results_dir / f"rank{r}.json" for r in range(world_size))]
+    failed = [name for results in per_rank for name, outcome in results.items() if outcome != "ok"]
+    outcomes = {}
+    for name in checks_for(world_size):
+        failures = [f"rank {r}:\n{results[name]}" for r, results in enumerate(per_rank)
+                    if results.get(name, "ok") != "ok"]
+        missing = [r for r, results in enumerate(per_rank) if name not in results]
+        if failures:
+            outcomes[name] = "\n".join(failures)
+        elif missing and failed:
+            outcomes[name] = f"not run on ranks {missing}: {failed[0]} failed first"
+        elif missing:
+            outcomes[name] = f"did not finish on ranks {missing} ({ending}); output:\n{log[-6000:]}"
+        else:
+            outcomes[name] = "ok"
+    return outcomes
+
+
+def main(results_dir: Path) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world_size = world()
+    results: dict[str, str] = {}
+    out = results_dir / f"rank{rank}.json"
+    for name in checks_for(world_size):
+        scratch = results_dir / name
+        scratch.mkdir(exist_ok=True)
+        try:
+            CHECKS[name][0](scratch)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+            out.write_text(json.dumps(results))
+            sys.stdout.flush()
+            os._exit(1)  # torchrun stops the other ranks, which may be waiting in a collective
+        out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

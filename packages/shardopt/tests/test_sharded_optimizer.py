@@ -1,0 +1,87 @@
+"""ShardedOptimizer in one process: the shard assignment, argument errors, and a one-rank group."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardopt import ShardedOptimizer, balanced_owners
+
+
+def test_balanced_owners_assigns_every_item_once_within_the_greedy_bound():
+    generator = torch.Generator().manual_seed(0)
+    for world_size in (1, 2, 3, 8):
+        sizes = torch.randint(1, 1000, (57,), generator=generator).tolist()
+        owners = balanced_owners(sizes, world_size)
+        assert len(owners) == len(sizes) and set(owners) == set(range(world_size))
+        loads = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(world_size)]
+        assert max(loads) <= sum(sizes) / world_size + max(sizes)
+        assert owners == balanced_owners(list(sizes), world_size)
+
+
+def test_balanced_owners_puts_the_largest_first_onto_the_least_loaded_rank():
+    assert balanced_owners([5, 10, 3, 4], 2) == [1, 0, 1, 1]
+    assert balanced_owners([4, 4, 4, 4], 2) == [0, 1, 0, 1]  # ties: lower index, lower rank
+    assert balanced_owners([7], 3) == [0]
+    with pytest.raises(ValueError, match="world_size"):
+        balanced_owners([1], 0)
+
+
+def linear_params():
+    return list(nn.Linear(4, 3).parameters())
+
+
+@pytest.mark.parametrize(("params", "optimizer_cls", "error", "argument"), [
+    (linear_params, nn.Linear, TypeError, "optimizer_cls"),
+    (linear_params, "adamw", TypeError, "optimizer_cls"),
+    (linear_params, lambda: torch.optim.SGD(linear_params(), lr=0.1), TypeError, "optimizer_cls"),
+    (linear_params, ShardedOptimizer, TypeError, "optimizer_cls"),
+    (lambda: [], torch.optim.AdamW, ValueError, "params"),
+    (lambda: [{"params": []}, {"params": []}], torch.optim.AdamW, ValueError, "params"),
+    (lambda: [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2, device="meta"))], torch.optim.AdamW,
+     ValueError, "params"),
+    (lambda: nn.Parameter(torch.zeros(2)), torch.optim.AdamW, TypeError, "params"),
+    (lambda: [p := nn.Parameter(torch.zeros(2)), p], torch.optim.AdamW, ValueError, "params"),
+    (linear_params, torch.optim.AdamW, RuntimeError, "process_group"),  # torch.distributed not initialized
+])
+def test_bad_input_gets_an_error_naming_the_argument(params, optimizer_cls, error, argument):
+    assert not dist.is_initialized()
+    if callable(optimizer_cls) and not isinstance(optimizer_cls, type):
+        optimizer_cls = optimizer_cls()
+    with pytest.raises(error, match=f"^{argument}:"):
+        ShardedOptimizer(params(), optimizer_cls, lr=0.1)
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_with_named_parameters_matches_and_saves_like_torch(one_rank_group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 2))
+    reference = copy.deepcopy(model)
+    optimizer = ShardedOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.named_parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, optimizer), (reference, reference_optimizer)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    full, expected = optimizer.consolidate_state_dict(), reference_optimizer.state_dict()
+    assert full["param_groups"] == expected["param_groups"]
+    assert full["param_groups"][0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(torch.equal(full["state"][i][k], v) for i, state in expected["state"].items()
+               for k, v in state.items())
+    # A state dict from plain torch.optim loads too.
+    optimizer.load_state_dict(copy.deepcopy(expected))
+    loaded, saved = optimizer.state[model[0].weight], reference_optimizer.state[reference[0].weight]
+    assert torch.equal(loaded["exp_avg"], saved["exp_avg"])
+    with pytest.raises(ValueError, match="^state_dict:"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
