@@ -1,3 +1,37 @@
-"""Small, readable data-parallel wrappers over torch.distributed: naive, flat, overlapped and bucketed gradient all-reduce."""
+"""Small, readable data-parallel wrappers over torch.distributed.
+
+Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from minddp.after_backward import FlatDDP, NaiveDDP
+from minddp.base import DataParallel
+from minddp.overlapped import BucketedDDP, OverlapDDP
 
 __version__ = "0.1.0"
+
+STRATEGIES: dict[str, type[DataParallel]] = {
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "overlap": OverlapDDP,
+    "bucketed": BucketedDDP,
+}
+
+
+def make_ddp(strategy: str, module: nn.Module, **kwargs: Any) -> DataParallel:
+    """Wrap ``module`` with the strategy named ``strategy`` (a key of :data:`STRATEGIES`).
+
+    ``kwargs`` go to the wrapper: ``process_group`` for all, ``bucket_size_mb`` for ``"bucketed"``.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[strategy](module, **kwargs)
+
+
+__all__ = ["STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "NaiveDDP", "OverlapDDP", "make_ddp",
+           "__version__"]

@@ -1,0 +1,73 @@
+"""NCCL smoke test, run by test_nccl.py under torchrun (one rank per GPU); exits non-zero on a failure.
+
+Every strategy on CUDA matches one process trained on the whole batch; a bucket's gradients
+are views of one buffer; CPU parameters are refused with NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp import BucketedDDP, make_ddp
+
+PER_RANK = 4
+
+
+def model() -> nn.Module:
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+    net[2].requires_grad_(False)
+    return net
+
+
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank)
+    cases = [("naive", {}), ("flat", {}), ("overlap", {}), ("bucketed", {}),
+             ("bucketed", {"bucket_size_mb": 0})]
+    for strategy, kwargs in cases:
+        torch.manual_seed(0)
+        reference = model().to(device)
+        torch.manual_seed(rank)
+        ddp = make_ddp(strategy, model().to(device), **kwargs)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ddp, reference)]
+        for step in range(3):
+            g = torch.Generator(device=device).manual_seed(step)
+            x = torch.randn(world * PER_RANK, 16, device=device, generator=g)
+            y = torch.randn(world * PER_RANK, 4, device=device, generator=g)
+            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            nn.functional.mse_loss(ddp(x[rows]), y[rows]).backward()
+            ddp.finish_gradient_synchronization()
+            nn.functional.mse_loss(reference(x), y).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        for (name, p), q in zip(ddp.module.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6,
+                                       msg=f"{strategy} {kwargs}: {name} on rank {rank}")
+
+    one_bucket = BucketedDDP(model().to(device), bucket_size_mb=None)
+    one_bucket(torch.randn(2, 16, device=device)).sum().backward()
+    one_bucket.finish_gradient_synchronization()
+    storages = {p.grad.untyped_storage().data_ptr() for p in one_bucket.parameters() if p.grad is not None}
+    assert len(storages) == 1, "the gradients of one bucket must be views of one buffer"
+
+    try:
+        make_ddp("bucketed", model())
+    except ValueError as exc:
+        assert "cannot serve" in str(exc), exc
+    else:
+        raise AssertionError("CPU parameters with NCCL must be refused")
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"nccl smoke test passed on {world} GPU(s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Bucket mechanics on one rank: gradient views, no_sync, and hooks that leave with their wrapper."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+from minddp import BucketedDDP, OverlapDDP
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def step(ddp: nn.Module, opt: torch.optim.Optimizer, set_to_none: bool) -> None:
+    ddp(torch.randn(3, 4)).sum().backward()
+    ddp.finish_gradient_synchronization()
+    opt.step()
+    opt.zero_grad(set_to_none=set_to_none)
+
+
+def test_one_bucket_gradients_are_views_of_one_buffer(single_rank_group):
+    ddp = BucketedDDP(mlp(), bucket_size_mb=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for set_to_none in (True, False, True):
+        ddp(torch.randn(3, 4)).sum().backward()
+        ddp.finish_gradient_synchronization()
+        storages = {p.grad.untyped_storage().data_ptr() for p in ddp.parameters()}
+        assert len(storages) == 1, f"after zero_grad(set_to_none={not set_to_none}) the views were lost"
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def test_finish_inside_no_sync_leaves_gradients_local(single_rank_group):
+    ddp = BucketedDDP(mlp())
+    with ddp.no_sync():
+        ddp(torch.ones(1, 4)).sum().backward()
+        local = [p.grad.clone() for p in ddp.parameters()]
+        ddp.finish_gradient_synchronization()
+    assert all(torch.equal(p.grad, g) for p, g in zip(ddp.parameters(), local, strict=True))
+    ddp(torch.ones(1, 4)).sum().backward()  # the synced step that follows sees every gradient once
+    ddp.finish_gradient_synchronization()
+    assert all(torch.allclose(p.grad, 2 * g) for p, g in zip(ddp.parameters(), local, strict=True))
+
+
+def test_a_dropped_wrapper_leaves_no_hooks(single_rank_group):
+    model = mlp()
+    ddp = OverlapDDP(model)
+    alive = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert alive() is None
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    again = BucketedDDP(model)  # wrapping the same module anew works as if it were the first time
+    step(again, torch.optim.SGD(again.parameters(), lr=0.1), set_to_none=True)

@@ -1,0 +1,113 @@
+"""Misuse gets a clear error, on every rank (so none is left waiting in a collective); subgroups work."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp import STRATEGIES, BucketedDDP, NaiveDDP, OverlapDDP, make_ddp
+
+
+def test_without_a_process_group_every_strategy_says_to_initialize_one():
+    assert not dist.is_initialized()
+    for cls in STRATEGIES.values():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            cls(nn.Linear(2, 2))
+
+
+def test_a_device_the_backend_cannot_serve_is_named(single_rank_group):
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"'weight' is on device meta.*cannot serve.*cpu \(gloo\)"):
+        NaiveDDP(model)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "25"])
+def test_bucket_size_must_be_a_non_negative_number(bad):
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        BucketedDDP(nn.Linear(2, 2), bucket_size_mb=bad)
+
+
+def test_make_ddp_names_the_strategies_it_knows(single_rank_group):
+    with pytest.raises(ValueError, match="strategy='zero'.*naive, flat, overlap, bucketed"):
+        make_ddp("zero", nn.Linear(2, 2))
+    assert isinstance(make_ddp("bucketed", nn.Linear(2, 2), bucket_size_mb=1), BucketedDDP)
+
+
+def error_of(build) -> str:
+    try:
+        build()
+    except (ValueError, RuntimeError) as exc:
+        return str(exc)
+    return "no error"
+
+
+def misuse_on_three_ranks(rank: int, world_size: int) -> dict[str, object]:
+    last = world_size - 1
+    seen: dict[str, object] = {}
+    seen["shape"] = error_of(lambda: NaiveDDP(nn.Linear(4, 3 if rank == last else 2)))
+    frozen = nn.Linear(4, 2)
+    frozen.bias.requires_grad_(rank != last)
+    seen["requires_grad"] = error_of(lambda: BucketedDDP(frozen))
+    extra = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3 if rank == last else 2)])
+    seen["extra"] = error_of(lambda: OverlapDDP(extra))
+    with torch.device("meta" if rank == last else "cpu"):
+        somewhere_else = nn.Linear(2, 2)
+    seen["device"] = error_of(lambda: NaiveDDP(somewhere_else))
+
+    for name in ("overlap", "bucketed"):
+        ddp = make_ddp(name, nn.Linear(2, 2))
+        loss = ddp(torch.ones(1, 2)).sum()
+        loss.backward(retain_graph=True)
+        seen[f"twice/{name}"] = error_of(loss.backward)
+        ddp.finish_gradient_synchronization()  # what was launched completes: the group stays usable
+
+    # A subgroup of the last two ranks: its rank 0 is global rank 1, which must be the source of the weights.
+    group = dist.new_group([1, 2])
+    torch.manual_seed(rank)
+    model = nn.Linear(1, 1, bias=False)
+    if rank == 0:
+        seen["outsider"] = error_of(lambda: BucketedDDP(model, process_group=group))
+    else:
+        ddp = BucketedDDP(model, process_group=group)
+        ddp(torch.full((1, 1), float(rank + 1))).sum().backward()  # grad = rank + 1
+        ddp.finish_gradient_synchronization()
+        seen["subgroup_grad"] = model.weight.grad.item()
+        seen["subgroup_weight"] = model.weight.item()
+    dist.barrier()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def misuse(ranks) -> list[dict[str, object]]:
+    return ranks(misuse_on_three_ranks, 3)
+
+
+@pytest.mark.parametrize("check, pattern", [
+    ("shape", r"parameter 'weight' has shape \(2, 4\).*rank 0 but shape \(3, 4\).*on rank 2"),
+    ("requires_grad", r"'bias'.*requires_grad=True on rank 0.*requires_grad=False on rank 2"),
+    ("extra", r"only rank 2 has parameter '2.weight'"),
+    ("device", r"rank 2: .*'weight' is on device meta"),
+])
+def test_a_model_that_differs_between_ranks_fails_on_every_rank(misuse, check, pattern):
+    for seen in misuse:
+        assert re.search(pattern, seen[check]), seen[check]
+
+
+@pytest.mark.parametrize("name", ["overlap", "bucketed"])
+def test_a_second_backward_without_no_sync_is_refused(misuse, name):
+    for seen in misuse:
+        assert "second gradient" in seen[f"twice/{name}"] and "no_sync" in seen[f"twice/{name}"]
+
+
+def test_process_group_averages_over_its_members_from_its_first_member(misuse):
+    assert "not a member" in misuse[0]["outsider"]
+    for seen in misuse[1:]:
+        assert seen["subgroup_grad"] == pytest.approx((2 + 3) / 2)
+    torch.manual_seed(1)  # global rank 1 built its model from seed 1
+    expected = nn.Linear(1, 1, bias=False).weight.item()
+    assert misuse[1]["subgroup_weight"] == misuse[2]["subgroup_weight"] == expected
