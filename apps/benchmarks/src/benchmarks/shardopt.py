@@ -1,0 +1,339 @@
+"""Optimizer-state sharding: memory and step time of AdamW unsharded, shardopt.ShardedOptimizer and ZeRO.
+
+Trains the reference LM data-parallel (gradients averaged by a DDP wrapper) with three optimizers
+in one run, each on a freshly built model: plain ``torch.optim.AdamW`` (every rank holds all of
+its state), ``shardopt.ShardedOptimizer`` over AdamW and torch's ``ZeroRedundancyOptimizer``
+over AdamW.
+
+Memory, per rank (the largest over the ranks), at three moments: after init (model, DDP wrapper
+and optimizer built), directly before and directly after the optimizer step of a training
+iteration. Each is broken down into parameters, gradients and optimizer state (the sizes of the
+live tensors on the device) and other = peak - those three (activations, DDP buckets,
+communication buffers, temporaries). On CUDA the peak is the allocator's peak allocated bytes
+(reset at the start of the iteration); on CPU there is no allocator record, so only the tensor
+sizes are reported and the table says so.
+
+Time per iteration (forward + backward + gradient all-reduce + optimizer step) and of the
+optimizer step alone, each with the device synchronized, mean over the measured iterations,
+the slowest rank's.
+
+Goal: optimizer-state bytes per rank <= unsharded / N + the state of one largest parameter, and
+a step no slower than ZeroRedundancyOptimizer's in the same run.
+
+Runs on 2 GPUs (NCCL) when there are 2 (XL model), else on 2 CPU processes (gloo, tiny model).
+Spawns its workers itself, or runs under torchrun:
+    torchrun --nproc-per-node 2 -m benchmarks.shardopt
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.common import (
+    console,
+    device_name,
+    make_parser,
+    parse_args,
+    print_table,
+    save_results,
+    str_list,
+)
+from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
+from minddp import STRATEGIES, make_ddp
+from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
+from profkit.timing import total_mean
+from shardopt import ShardedOptimizer
+
+TOUR_ARGS: list[str] = ["--warmup", "1", "--iters", "2"]
+MB = 1e6
+OPTIMIZERS: dict[str, str] = {
+    "unsharded": "AdamW (unsharded)",
+    "sharded": "ShardedOptimizer",
+    "zero": "ZeroRedundancyOptimizer",
+}
+ACCOUNTING = {True: "CUDA allocator: peak allocated; other = peak - parameters - gradients - optimizer state",
+              False: "tensor sizes only: CPU has no allocator statistics, so no peak and no other"}
+PHASES = ["after init", "before step", "after step"]
+DDP_CHOICES = ["torch", *STRATEGIES]
+
+
+def build_optimizer(kind: str, params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if kind == "unsharded":
+        return torch.optim.AdamW(params, lr=lr)
+    if kind == "sharded":
+        return ShardedOptimizer(params, torch.optim.AdamW, lr=lr)
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr)
+
+
+def local_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
+    """The optimizer state this rank holds (ZeroRedundancyOptimizer keeps it in its inner optimizer)."""
+    return optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
+
+
+def tensor_bytes(tensors: Iterable[Any], device: torch.device) -> int:
+    """Bytes of the distinct tensors among ``tensors`` that sit on ``device`` (CPU step counters do not)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device == device:
+            seen[(t.data_ptr(), t.nbytes)] = t.nbytes
+    return sum(seen.values())
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer, device: torch.device) -> list[int]:
+    return [tensor_bytes(state.values(), device) for state in local_state(optimizer).values()]
+
+
+def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """Parameters, gradients and optimizer state held now, in bytes, and the peak allocated (CUDA only)."""
+    params = list(model.parameters())
+    peak = read_peak_memory(device)
+    return {
+        "parameters": tensor_bytes(params, device),
+        "gradients": tensor_bytes((p.grad for p in params), device),
+        "optimizer state": sum(state_bytes_per_param(optimizer, device)),
+        "peak": float(peak.allocated) if peak else float("nan"),
+    }
+
+
+class Workload:
+    """One data-parallel training setup: the model, its DDP wrapper, an optimizer and a data stream."""
+
+    def __init__(self, kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch.device,
+                 rank: int) -> None:
+        torch.manual_seed(args.seed)
+        with device:
+            self.model = TransformerLM(cfg, attention=args.attention)
+        if args.ddp == "torch":
+            self.wrapped: nn.Module = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True)
+        else:
+            self.wrapped = make_ddp(args.ddp, self.model)
+        self.optimizer = build_optimizer(kind, self.wrapped.parameters(), args.lr)
+        self.cfg, self.args, self.device = cfg, args, device
+        self.generator = torch.Generator(device).manual_seed(args.seed + rank)
+
+    def forward_backward(self) -> None:
+        tokens = random_batch(self.cfg, self.args.batch_size, self.args.context_length + 1, self.device,
+                              self.generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.wrapped(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
+        if finish is not None:
+            finish()
+
+    def step(self, phase: Callable[[str], Any]) -> None:
+        with phase("forward+backward"):
+            self.forward_backward()
+        with phase("optimizer step"):
+            self.optimizer.step()
+
+
+def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch.device,
+            rank: int) -> dict[str, Any]:
+    """Memory at the three moments and the times of one optimizer, on this rank."""
+    free_memory(device)
+    reset_peak_memory(device)
+    work = Workload(kind, cfg, args, device, rank)
+    memory = {"after init": breakdown(work.model, work.optimizer, device)}
+    clock = PhaseClock(device)
+    run_steps(work.step, args.warmup, args.iters, clock)
+    # One more iteration, untimed, with the peak window opened at its start.
+    reset_peak_memory(device)
+    work.forward_backward()
+    memory["before step"] = breakdown(work.model, work.optimizer, device)
+    work.optimizer.step()
+    memory["after step"] = breakdown(work.model, work.optimizer, device)
+    timings = clock.timings()
+    record = {"memory": memory, "iteration_s": total_mean(timings),
+              "step_s": timings["optimizer step"].mean,
+              "largest_param_state": max(state_bytes_per_param(work.optimizer, device), default=0)}
+    del work
+    free_memory(device)
+    return record
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+def tables(per_rank: list[dict[str, dict[str, Any]]], on_cuda: bool) -> dict[str, pd.DataFrame]:
+    """Memory, time and goal tables from every rank's records (worst rank for each number).
+
+    Without CUDA the memory table has no peak_MB and other_MB columns (see ACCOUNTING).
+    """
+    kinds = list(per_rank[0])
+    memory_rows = []
+    for kind in kinds:
+        for phase in PHASES:
+            worst = {key: max(r[kind]["memory"][phase][key] for r in per_rank)
+                     for key in ("parameters", "gradients", "optimizer state", "peak")}
+            row = {"optimizer": OPTIMIZERS[kind], "phase": phase,
+                   "parameters_MB": worst["parameters"] / MB, "gradients_MB": worst["gradients"] / MB,
+                   "optimizer_state_MB": worst["optimizer state"] / MB}
+            if on_cuda:
+                held = worst["parameters"] + worst["gradients"] + worst["optimizer state"]
+                row |= {"other_MB": (worst["peak"] - held) / MB, "peak_MB": worst["peak"] / MB}
+            memory_rows.append(row)
+    time_rows = [{"optimizer": OPTIMIZERS[kind],
+                  "iteration_ms": 1e3 * max(r[kind]["iteration_s"] for r in per_rank),
+                  "optimizer_step_ms": 1e3 * max(r[kind]["step_s"] for r in per_rank),
+                  "optimizer_state_MB": max(r[kind]["memory"]["after step"]["optimizer state"]
+                                            for r in per_rank) / MB}
+                 for kind in kinds]
+    frames = {"memory": pd.DataFrame(memory_rows), "time": pd.DataFrame(time_rows),
+              "goal": goal_table(per_rank, len(per_rank))}
+    return {name: df.round(3) for name, df in frames.items()}
+
+
+def goal_table(per_rank: list[dict[str, dict[str, Any]]], world_size: int) -> pd.DataFrame:
+    """The issue's goal, criterion by criterion: measured, limit, met (where the run has both sides)."""
+    rows = []
+    kinds = per_rank[0]
+    if "sharded" in kinds and "unsharded" in kinds:
+        state = max(r["sharded"]["memory"]["after step"]["optimizer state"] for r in per_rank)
+        unsharded = per_rank[0]["unsharded"]["memory"]["after step"]["optimizer state"]
+        limit = unsharded / world_size + per_rank[0]["unsharded"]["largest_param_state"]
+        rows.append({"criterion": f"ShardedOptimizer state per rank <= unsharded/{world_size} "
+                                  "+ one largest parameter's state (MB)",
+                     "measured": state / MB, "limit": limit / MB, "met": bool(state <= limit)})
+    if "sharded" in kinds and "zero" in kinds:
+        step = max(r["sharded"]["step_s"] for r in per_rank)
+        zero = max(r["zero"]["step_s"] for r in per_rank)
+        rows.append({"criterion": "ShardedOptimizer step <= ZeroRedundancyOptimizer step (ms)",
+                     "measured": 1e3 * step, "limit": 1e3 * zero, "met": bool(step <= zero)})
+    return pd.DataFrame(rows, columns=["criterion", "measured", "limit", "met"])
+
+
+# --- processes --------------------------------------------------------------------------------------
+
+def worker(local_rank: int, args: argparse.Namespace) -> None:
+    """One rank: init the process group, measure every optimizer, rank 0 prints and saves."""
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        cfg = model_config(args.size, args.context_length)
+        records = {}
+        for i, kind in enumerate(args.optimizers, start=1):
+            if rank == 0:
+                console.print(f"[{i}/{len(args.optimizers)}] {OPTIMIZERS[kind]}: {args.size} model, "
+                              f"{world_size} x {device.type}, {args.warmup} warm-up + {args.iters} timed "
+                              "iterations ...")
+            records[kind] = measure(kind, cfg, args, device, rank)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, records)
+        if rank == 0:
+            report(gathered, args, device, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def report(per_rank: list[dict[str, Any]], args: argparse.Namespace, device: torch.device,
+           world_size: int) -> None:
+    on_cuda = device.type == "cuda"
+    results = tables(per_rank, on_cuda)
+    where = f"{world_size} x {device_name() if on_cuda else 'CPU process'}"
+    setup = (f"{args.size} model, batch {args.batch_size} x {args.context_length} tokens per rank, "
+             f"{args.ddp} DDP, {where}")
+    print_table(results["memory"], f"Memory per rank, MB (worst rank) — {setup}\n{ACCOUNTING[on_cuda]}")
+    print_table(results["time"], f"Time per iteration and per optimizer step, ms (slowest rank) — {setup}")
+    print_table(results["goal"], "Goal")
+    if len(results["goal"]) == 2:
+        met = bool(results["goal"]["met"].all())
+        console.print(f"Goal {'met' if met else 'NOT met'}" + ("" if on_cuda else
+                      " (on CPU; the step-time goal is for two H200s)"))
+    metadata = {"world_size": str(world_size), "model": args.size, "batch_size": str(args.batch_size),
+                "context_length": str(args.context_length), "ddp": args.ddp,
+                "backend": "nccl" if on_cuda else "gloo", "memory_accounting": ACCOUNTING[on_cuda]}
+    for name, df in results.items():
+        save_results(df, f"shardopt_{name}", args, metadata)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser("shardopt", __doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="workers to spawn (ignored under torchrun, which sets the world size)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="default: cuda when there are at least --nproc GPUs, else cpu")
+    parser.add_argument("--size", choices=list(MODEL_SIZES), default=None,
+                        help="model size; default xl on CUDA, tiny on CPU")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="sequences per rank; default 4 (CUDA), 2 (CPU)")
+    parser.add_argument("--context-length", type=int, default=None, help="default 256 (CUDA), 64 (CPU)")
+    parser.add_argument("--optimizers", type=str_list(OPTIMIZERS), default=list(OPTIMIZERS),
+                        help=f"comma-separated, among {', '.join(OPTIMIZERS)} (or 'all')")
+    parser.add_argument("--ddp", choices=DDP_CHOICES, default="torch",
+                        help="gradient averaging: torch's DistributedDataParallel or a minddp strategy")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per optimizer")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per optimizer")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--attention", choices=["naive", "sdpa"], default="sdpa")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds a collective may wait before the run fails instead of hanging")
+    args = parse_args(parser, argv)
+    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    args.world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    if args.world_size < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    gpus = torch.cuda.device_count()
+    if args.device is None:
+        args.device = "cuda" if gpus >= args.world_size else "cpu"
+        if 0 < gpus < args.world_size:
+            console.print(f"[yellow]{gpus} GPU(s) for {args.world_size} workers: running on CPU processes")
+    elif args.device == "cuda" and gpus < args.world_size:
+        parser.error(f"--device cuda needs {args.world_size} GPUs, this machine has {gpus}")
+    on_cuda = args.device == "cuda"
+    args.size = args.size or ("xl" if on_cuda else "tiny")
+    args.batch_size = args.batch_size or (4 if on_cuda else 2)
+    args.context_length = args.context_length or (256 if on_cuda else 64)
+    if args.warmup < 0 or args.iters < 1:
+        parser.error("--warmup must be >= 0 and --iters >= 1")
+    if under_torchrun:
+        worker(int(os.environ["LOCAL_RANK"]), args)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    os.environ["WORLD_SIZE"] = str(args.world_size)
+    mp.start_processes(_spawned_worker, args=(args,), nprocs=args.world_size, start_method="spawn")
+
+
+def _spawned_worker(local_rank: int, args: argparse.Namespace) -> None:
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(local_rank)
+    worker(local_rank, args)
+
+
+if __name__ == "__main__":
+    main()
