@@ -21,24 +21,21 @@ Goal: optimizer-state bytes per rank <= unsharded / N + the state of one largest
 a step no slower than ZeroRedundancyOptimizer's in the same run.
 
 Runs on 2 GPUs (NCCL) when there are 2 (XL model), else on 2 CPU processes (gloo, tiny model).
-Spawns its workers itself, or runs under torchrun:
+Spawns its workers itself (benchmarks.launch), or runs under torchrun:
     torchrun --nproc-per-node 2 -m benchmarks.shardopt
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import pandas as pd
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -53,6 +50,7 @@ from benchmarks.common import (
     save_results,
     str_list,
 )
+from benchmarks.launch import launch, tensor_device, under_torchrun
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
 from minddp import STRATEGIES, make_ddp
 from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
@@ -227,36 +225,26 @@ def goal_table(per_rank: list[dict[str, dict[str, Any]]], world_size: int) -> pd
 
 # --- processes --------------------------------------------------------------------------------------
 
-def worker(local_rank: int, args: argparse.Namespace) -> None:
-    """One rank: init the process group, measure every optimizer, rank 0 prints and saves."""
-    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        cfg = model_config(args.size, args.context_length)
-        records = {}
-        for i, kind in enumerate(args.optimizers, start=1):
-            if rank == 0:
-                console.print(f"[{i}/{len(args.optimizers)}] {OPTIMIZERS[kind]}: {args.size} model, "
-                              f"{world_size} x {device.type}, {args.warmup} warm-up + {args.iters} timed "
-                              "iterations ...")
-            records[kind] = measure(kind, cfg, args, device, rank)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, records)
+def measure_on_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every optimizer on this rank (inside launch's process group); every rank's records, in rank order."""
+    device = tensor_device(args.backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cfg = model_config(args.size, args.context_length)
+    records = {}
+    for i, kind in enumerate(args.optimizers, start=1):
         if rank == 0:
-            report(gathered, args, device, world_size)
-    finally:
-        dist.destroy_process_group()
+            console.print(f"[{i}/{len(args.optimizers)}] {OPTIMIZERS[kind]}: {args.size} model, "
+                          f"{world_size} x {device.type}, {args.warmup} warm-up + {args.iters} timed "
+                          "iterations ...")
+        records[kind] = measure(kind, cfg, args, device, rank)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, records)
+    return gathered
 
 
-def report(per_rank: list[dict[str, Any]], args: argparse.Namespace, device: torch.device,
-           world_size: int) -> None:
-    on_cuda = device.type == "cuda"
+def report(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    on_cuda = args.backend == "nccl"
+    world_size = len(per_rank)
     results = tables(per_rank, on_cuda)
     where = f"{world_size} x {device_name() if on_cuda else 'CPU process'}"
     setup = (f"{args.size} model, batch {args.batch_size} x {args.context_length} tokens per rank, "
@@ -269,24 +257,18 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace, device: tor
         console.print(f"Goal {'met' if met else 'NOT met'}" + ("" if on_cuda else
                       " (on CPU; the step-time goal is for two H200s)"))
     metadata = {"world_size": str(world_size), "model": args.size, "batch_size": str(args.batch_size),
-                "context_length": str(args.context_length), "ddp": args.ddp,
-                "backend": "nccl" if on_cuda else "gloo", "memory_accounting": ACCOUNTING[on_cuda]}
+                "context_length": str(args.context_length), "ddp": args.ddp, "backend": args.backend,
+                "memory_accounting": ACCOUNTING[on_cuda]}
     for name, df in results.items():
         save_results(df, f"shardopt_{name}", args, metadata)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser("shardopt", __doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2,
-                        help="workers to spawn (ignored under torchrun, which sets the world size)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="workers to spawn; default 2 (under torchrun: its world size, leave this out)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                        help="default: cuda when there are at least --nproc GPUs, else cpu")
+                        help="default: cuda (NCCL) when there is a GPU per worker, else cpu (gloo)")
     parser.add_argument("--size", choices=list(MODEL_SIZES), default=None,
                         help="model size; default xl on CUDA, tiny on CPU")
     parser.add_argument("--batch-size", type=int, default=None,
@@ -302,37 +284,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="sdpa")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600,
-                        help="seconds a collective may wait before the run fails instead of hanging")
+                        help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)
-    under_torchrun = "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-    args.world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
-    if args.world_size < 1:
-        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or 2)
     gpus = torch.cuda.device_count()
     if args.device is None:
-        args.device = "cuda" if gpus >= args.world_size else "cpu"
-        if 0 < gpus < args.world_size:
-            console.print(f"[yellow]{gpus} GPU(s) for {args.world_size} workers: running on CPU processes")
-    elif args.device == "cuda" and gpus < args.world_size:
-        parser.error(f"--device cuda needs {args.world_size} GPUs, this machine has {gpus}")
+        args.device = "cuda" if gpus >= workers else "cpu"
+        if 0 < gpus < workers:
+            console.print(f"[yellow]{gpus} GPU(s) for {workers} workers: running {workers} CPU processes")
+    elif args.device == "cuda" and gpus < workers:
+        parser.error(f"--device cuda needs a GPU per worker ({workers}); this machine has {gpus}")
+    if args.warmup < 0 or args.iters < 1 or workers < 1:
+        parser.error("--warmup must be >= 0, --iters >= 1 and --nproc >= 1")
     on_cuda = args.device == "cuda"
+    args.backend = "nccl" if on_cuda else "gloo"
     args.size = args.size or ("xl" if on_cuda else "tiny")
     args.batch_size = args.batch_size or (4 if on_cuda else 2)
     args.context_length = args.context_length or (256 if on_cuda else 64)
-    if args.warmup < 0 or args.iters < 1:
-        parser.error("--warmup must be >= 0 and --iters >= 1")
-    if under_torchrun:
-        worker(int(os.environ["LOCAL_RANK"]), args)
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    os.environ["WORLD_SIZE"] = str(args.world_size)
-    mp.start_processes(_spawned_worker, args=(args,), nprocs=args.world_size, start_method="spawn")
-
-
-def _spawned_worker(local_rank: int, args: argparse.Namespace) -> None:
-    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(local_rank)
-    worker(local_rank, args)
+    per_rank = launch(measure_on_rank, workers, args.backend, args=(args,), timeout_s=args.timeout)
+    if per_rank is not None:  # None on the other ranks under torchrun
+        report(per_rank, args)
 
 
 if __name__ == "__main__":
