@@ -1,0 +1,133 @@
+"""minddp + shardopt: gradients averaged by a DDP wrapper, optimizer state sharded, on 2 gloo ranks.
+
+For every minddp strategy, a small model trained with the wrapper and a ShardedOptimizer (each
+rank on its half of every batch) must equal, bit for bit, the same wrapper with plain AdamW on
+every rank, and match single-process training on the whole batch (up to the order in which the
+gradient mean is summed). The consolidated optimizer state must match single-process AdamW's.
+
+This file is also the worker: pytest runs it under torchrun (``python -m torch.distributed.run
+--standalone --nproc-per-node 2 tests/test_shardopt_with_minddp.py RESULTS_DIR``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from minddp import STRATEGIES, make_ddp
+from shardopt import ShardedOptimizer
+
+WORLD_SIZE = 2
+STEPS = 5
+BATCH_PER_RANK = 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    inputs = torch.randn(WORLD_SIZE * BATCH_PER_RANK, 8, generator=generator)
+    return inputs, torch.randint(0, 4, (WORLD_SIZE * BATCH_PER_RANK,), generator=generator)
+
+
+def train_both_ways(strategy: str) -> None:
+    """DDP + ShardedOptimizer against DDP + AdamW (exactly) and single-process AdamW (closely)."""
+    rank = dist.get_rank()
+    mine = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    # A small bucket size gives the bucketed strategy several buckets.
+    options = {"bucket_size_mb": 0.002} if strategy == "bucketed" else {}
+    sharded = make_ddp(strategy, make_model(), **options)
+    sharded_optimizer = ShardedOptimizer(sharded.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    plain = make_ddp(strategy, make_model(), **options)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    single = make_model()
+    single_optimizer = torch.optim.AdamW(single.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        inputs, targets = batch(step)
+        for ddp, optimizer in ((sharded, sharded_optimizer), (plain, plain_optimizer)):
+            optimizer.zero_grad()
+            F.cross_entropy(ddp(inputs[mine]), targets[mine]).backward()
+            ddp.finish_gradient_synchronization()
+            optimizer.step()
+        single_optimizer.zero_grad()
+        F.cross_entropy(single(inputs), targets).backward()
+        single_optimizer.step()
+        for i, (p, q, r) in enumerate(zip(sharded.parameters(), plain.parameters(), single.parameters(),
+                                          strict=True)):
+            where = f"step {step}, parameter {i}"
+            assert torch.equal(p, q), f"{where}: sharded differs from DDP + AdamW"
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}, single: {m}")
+    full = sharded_optimizer.consolidate_state_dict(to=0)
+    if rank == 0:
+        expected = single_optimizer.state_dict()
+        assert full["param_groups"] == expected["param_groups"]
+        for index, state in expected["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(full["state"][index][key], value, rtol=1e-5, atol=1e-6)
+
+
+def worker(results_dir: Path) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results: dict[str, str] = {}
+    out = results_dir / f"rank{dist.get_rank()}.json"
+    for strategy in STRATEGIES:
+        try:
+            train_both_ways(strategy)
+            results[strategy] = "ok"
+        except Exception:
+            results[strategy] = traceback.format_exc()
+            out.write_text(json.dumps(results))
+            os._exit(1)  # torchrun stops the other rank, which may be waiting in a collective
+        out.write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, str]:
+    """Run this file on 2 ranks under torchrun (killed whole after 150 s); {strategy: 'ok' or why not}."""
+    results_dir = tmp_path_factory.mktemp("shardopt_with_minddp")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={WORLD_SIZE}", __file__, str(results_dir)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        log, _ = process.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        log, _ = process.communicate()
+    per_rank = [json.loads(p.read_text()) if p.exists() else {}
+                for p in (results_dir / f"rank{r}.json" for r in range(WORLD_SIZE))]
+    outcomes = {}
+    for strategy in STRATEGIES:
+        failures = [f"rank {r}: {results[strategy]}" for r, results in enumerate(per_rank)
+                    if results.get(strategy, "ok") != "ok"]
+        unfinished = [r for r, results in enumerate(per_rank) if strategy not in results]
+        if unfinished and not failures:
+            ending = f"torchrun exit code {process.returncode}"
+            failures = [f"ranks {unfinished} did not finish ({ending}):\n{log[-6000:]}"]
+        outcomes[strategy] = "\n".join(failures) or "ok"
+    return outcomes
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_ddp_with_sharded_optimizer_matches_single_process(strategy, outcomes):
+    assert outcomes[strategy] == "ok", outcomes[strategy]
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
