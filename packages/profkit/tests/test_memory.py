@@ -50,7 +50,7 @@ def test_frame_label_skips_library_and_cpp_frames():
     assert memory.frame_label([CPP, TORCH_LINEAR, SCORES]) == "model.py:10 attention_scores"
     assert memory.frame_label([CPP, TORCH_LINEAR]) == "linear.py:125 forward"
     assert memory.frame_label([CPP]) == "??:0 c10::cuda::CUDACachingAllocator::malloc"
-    assert memory.frame_label([]) == "unknown source"
+    assert memory.frame_label([]) == memory.NO_PYTHON_FRAMES
 
 
 def test_trace_reads_allocations_including_those_made_before_recording():

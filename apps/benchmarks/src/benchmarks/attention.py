@@ -68,27 +68,32 @@ def allocated_bytes(dev: torch.device) -> int | None:
 
 def measure(attend: Any, batch_size: int, seq_len: int, head_dim: int, dtype: torch.dtype, warmup: int,
             passes: int, dev: torch.device) -> dict[str, float | str]:
-    """Mean forward and backward ms of ``attend`` and the memory in use before backward (MiB)."""
-    before_inputs = allocated_bytes(dev)
+    """Mean forward and backward ms of ``attend`` and the memory in use before backward (MiB).
+
+    The memory counts the inputs (Q, K, V and the output gradient) and what the forward added,
+    as of the last pass: not what a first pass allocates for good (cuBLAS workspaces, say).
+    """
     q, k, v = (torch.randn(batch_size, seq_len, head_dim, device=dev, dtype=dtype, requires_grad=True)
                for _ in range(3))
     grad_out = torch.randn(batch_size, seq_len, head_dim, device=dev, dtype=dtype)
+    input_bytes = sum(x.nbytes for x in (q, k, v, grad_out))
     in_use: list[int] = []
 
     def step(phase: profkit.timing.Phase) -> None:
         for x in (q, k, v):
             x.grad = None
+        before = allocated_bytes(dev)
         with phase("forward"):
             out = attend(q, k, v)
-        now = allocated_bytes(dev)
-        if now is not None and before_inputs is not None:
-            in_use.append(now - before_inputs)
+        after = allocated_bytes(dev)
+        if before is not None and after is not None:
+            in_use.append(input_bytes + after - before)
         with phase("backward"):
             out.backward(grad_out)
 
     times = profkit.time_phases(step, warmup=warmup, steps=passes, device=dev)
     return {"fwd ms": times["forward"].mean_ms, "bwd ms": times["backward"].mean_ms,
-            "mem MiB": max(in_use) / 2**20 if in_use else ""}
+            "mem MiB": in_use[-1] / 2**20 if in_use else ""}
 
 
 def _cause_is_oom(exc: BaseException) -> bool:

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 BEFORE_RECORDING = "allocated before recording"
+# Allocations made by threads without Python code: in a training step, autograd's backward threads.
+NO_PYTHON_FRAMES = "no Python frames (autograd backward)"
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _LIBRARY_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]torch[/\\]")
@@ -112,9 +114,10 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
 def frame_label(frames: Sequence[dict[str, Any]]) -> str:
     """'file.py:123 function' for the innermost frame of user code.
 
-    Frames inside torch and the standard library are skipped (a Linear layer's weight-gradient
-    buffer is labelled with the model line that called the layer); if every frame is library code
-    the innermost Python frame is used.
+    Frames inside torch and the standard library are skipped (a Linear layer's output is labelled
+    with the model line that called the layer); if every frame is library code the innermost Python
+    frame is used, and without Python frames the innermost C++ one. No frames at all is what the
+    threads of autograd's backward pass record: :data:`NO_PYTHON_FRAMES`.
     """
     python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
     for frame in python:
@@ -123,7 +126,7 @@ def frame_label(frames: Sequence[dict[str, Any]]) -> str:
             return _format_frame(frame)
     if python:
         return _format_frame(python[0])
-    return _format_frame(frames[0]) if frames else "unknown source"
+    return _format_frame(frames[0]) if frames else NO_PYTHON_FRAMES
 
 
 def _format_frame(frame: dict[str, Any]) -> str:
