@@ -1,11 +1,12 @@
 """Checks of ShardedOptimizer that need several processes, and their launcher (used by test_distributed.py).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 distributed_checks.py RESULTS_DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 distributed_checks.py RESULTS_DIR [nccl]
 
 Every rank runs the checks of its world size in order and records each outcome in
 RESULTS_DIR/rank<r>.json as it goes. Starting processes costs seconds, so one launch runs them all.
 The first failure ends the process with an error, and torchrun then stops the other ranks.
 Every rank computes the same gradients (same data, same model), so no DDP wrapper is needed.
+With ``nccl`` each rank's tensors live on its GPU; the default is gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from shardopt import ShardedOptimizer
 
+DEVICE = torch.device("cpu")  # main() sets each rank's GPU under NCCL
 OPTIMIZERS: list[tuple[type[torch.optim.Optimizer], dict]] = [
     (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
@@ -43,14 +45,14 @@ class ParamBag(nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
         dtypes = dtypes or [torch.float32] * len(sizes)
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(n, generator=generator, dtype=dtype))
-                                        for n, dtype in zip(sizes, dtypes, strict=True))
+        values = [torch.randn(n, generator=generator, dtype=d) for n, d in zip(sizes, dtypes, strict=True)]
+        self.weights = nn.ParameterList(nn.Parameter(v.to(DEVICE)) for v in values)
 
     def loss(self, step: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(1000 + step)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=DEVICE)
         for w in self.weights:
-            target = torch.randn(w.shape, generator=generator, dtype=w.dtype)
+            target = torch.randn(w.shape, generator=generator, dtype=w.dtype).to(DEVICE)
             total = total + (w.tanh() - target).square().sum().double()
         return total
 
@@ -173,14 +175,15 @@ def check_state_dict_shard_consolidate_and_resume(tmp: Path) -> None:
 
     # The consolidated dict loads into the unsharded class and resumes exactly... (each optimizer gets
     # its own copy: load_state_dict keeps CPU tensors as they are, so two loads of one dict share state)
-    checkpoint = torch.load(tmp / "full.pt", weights_only=True)
+    checkpoint = torch.load(tmp / "full.pt", weights_only=True, map_location="cpu")
     plain_model = ParamBag([24, 5, 40, 3, 17, 8], seed=1)
     plain_model.load_state_dict(checkpoint["model"])
     plain = torch.optim.AdamW(groups(plain_model), lr=1e-2)
     plain.load_state_dict(checkpoint["optimizer"])
     # ...and into a fresh ShardedOptimizer; so does each rank's own shard.
     resumed = []
-    for saved in (torch.load(tmp / "full.pt", weights_only=True)["optimizer"], copy.deepcopy(shard)):
+    for saved in (torch.load(tmp / "full.pt", weights_only=True, map_location="cpu")["optimizer"],
+                  copy.deepcopy(shard)):
         m = ParamBag([24, 5, 40, 3, 17, 8], seed=2)
         m.load_state_dict(checkpoint["model"])
         o = ShardedOptimizer(groups(m), torch.optim.AdamW, lr=0.5)  # lr comes back from the checkpoint
@@ -228,7 +231,7 @@ def check_edge_layouts(_: Path) -> None:
 def check_bad_input_fails_on_every_rank(_: Path) -> None:
     rank, world_size = world()
     model = ParamBag([10, 20, 30])
-    params = list(model.parameters()) + ([nn.Parameter(torch.zeros(3))] if rank == 0 else [])
+    params = list(model.parameters()) + ([nn.Parameter(torch.zeros(3, device=DEVICE))] if rank == 0 else [])
     expect_error(lambda: ShardedOptimizer(params, torch.optim.SGD, lr=0.1), ValueError, "params")
 
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
@@ -262,7 +265,7 @@ def check_reshard_between_two_and_three_ranks(tmp: Path) -> None:
                 torch.save({"optimizer": full, "model": model.state_dict()}, tmp / f"{name}.pt")
         dist.barrier()
         if load_group is None or rank < 2:
-            checkpoint = torch.load(tmp / f"{name}.pt", weights_only=True)
+            checkpoint = torch.load(tmp / f"{name}.pt", weights_only=True, map_location="cpu")
             model = ParamBag(sizes, seed=3)
             model.load_state_dict(checkpoint["model"])
             optimizer = ShardedOptimizer(groups(model), torch.optim.AdamW, load_group, lr=1e-2)
@@ -295,14 +298,15 @@ def checks_for(world_size: int) -> list[str]:
     return [name for name, (_, sizes) in CHECKS.items() if world_size in sizes]
 
 
-def launch(world_size: int, results_dir: Path, timeout_s: float = 150) -> dict[str, str]:
-    """Run this file on `world_size` gloo processes; {check: 'ok' or why not}, over all ranks.
+def launch(world_size: int, results_dir: Path, backend: str = "gloo",
+           timeout_s: float = 150) -> dict[str, str]:
+    """Run this file on `world_size` processes; {check: 'ok' or why not}, over all ranks.
 
     The whole process group (torchrun and its workers) is killed at the time limit, so a hang
     fails the tests instead of stalling them.
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={world_size}", __file__, str(results_dir)]
+               f"--nproc-per-node={world_size}", __file__, str(results_dir), backend]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
@@ -332,8 +336,12 @@ def launch(world_size: int, results_dir: Path, timeout_s: float = 150) -> dict[s
     return outcomes
 
 
-def main(results_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def main(results_dir: Path, backend: str) -> None:
+    global DEVICE
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     rank, world_size = world()
     results: dict[str, str] = {}
     out = results_dir / f"rank{rank}.json"
@@ -353,4 +361,4 @@ def main(results_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "gloo")
