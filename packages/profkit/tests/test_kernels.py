@@ -105,7 +105,8 @@ def test_empty_phase_fraction_is_nan_and_format_has_nsys_header():
     "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "ampere_sgemm_128x64_tn",
     "nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_TNT", "cutlass_80_tensorop_s1688gemm_64x64_32x6_tn_align4",
     "triton_tem_fused_addmm_0", "aten::mm", "aten::addmm", "aten::bmm",
-    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_gemm>",
+    "void cutlass::Kernel2<cutlass_80_wmma_tensorop_gemm>", "void gemv2T_kernel_val<int, int, float, float>",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, float>",
 ])
 def test_matmul_names(name):
     assert is_matmul(name)

@@ -32,7 +32,7 @@ def small_snapshot():
         alloc(0x100, 200, CPP, TORCH_LINEAR, SCORES),
         alloc(0x200, 30, MLP),
         *free(0x100, 200),
-        alloc(0x300, 400, SCORES),
+        alloc(0x300, 400, TORCH_LINEAR, SCORES),
         *free(0x900, 50),  # allocated before recording began
         {"action": "oom", "addr": 0, "size": 10**9, "stream": 0, "device_free": 0, "frames": []},
     ]
@@ -47,7 +47,9 @@ def small_snapshot():
 
 
 def test_frame_label_skips_library_and_cpp_frames():
-    assert memory.frame_label([CPP, TORCH_LINEAR, SCORES]) == "model.py:10 attention_scores"
+    label = memory.frame_label([CPP, TORCH_LINEAR, SCORES])
+    assert label == "model.py:10 attention_scores › linear.py:125 forward"
+    assert memory.frame_label([SCORES, MLP]) == "model.py:10 attention_scores"
     assert memory.frame_label([CPP, TORCH_LINEAR]) == "linear.py:125 forward"
     assert memory.frame_label([CPP]) == "??:0 c10::cuda::CUDACachingAllocator::malloc"
     assert memory.frame_label([]) == memory.NO_PYTHON_FRAMES
@@ -58,9 +60,9 @@ def test_trace_reads_allocations_including_those_made_before_recording():
     assert trace.events == 5 and trace.oom_positions == [5]
     spans = {(a.size, a.start, a.end, a.label) for a in trace.allocations}
     assert spans == {
-        (200, 1, 3, "model.py:10 attention_scores"),
+        (200, 1, 3, "model.py:10 attention_scores › linear.py:125 forward"),
         (30, 2, 6, "model.py:20 forward"),
-        (400, 4, 6, "model.py:10 attention_scores"),
+        (400, 4, 6, "model.py:10 attention_scores › linear.py:125 forward"),
         (50, 0, 5, memory.BEFORE_RECORDING),
         (100, 0, 6, memory.BEFORE_RECORDING),  # still allocated, never seen in the trace
     }
@@ -72,7 +74,7 @@ def test_timeline_stacks_bands_and_labels_the_largest_sources():
     assert list(timeline.total) == [150, 350, 380, 180, 580, 530]
     assert timeline.peak_bytes == 580 and timeline.peak_position == 4
     assert [(s.label, s.largest, s.count) for s in timeline.sources] == [
-        ("model.py:10 attention_scores", 400, 2), (memory.BEFORE_RECORDING, 100, 2)]
+        ("model.py:10 attention_scores › linear.py:125 forward", 400, 2), (memory.BEFORE_RECORDING, 100, 2)]
     # B (30 bytes, unlabelled) sits on top of A until A is freed, then drops by A's 200 bytes.
     (b_band,) = [band for band in timeline.bands if band.label is None]
     assert list(b_band.x) == [2, 3, 4, 5]

@@ -15,7 +15,8 @@ Without device kernels (a CPU-only run) the tables hold CPU operators instead, e
 time (less the operators it calls), so that nested operators are not counted twice.
 
 Matrix multiplies are recognised by name with :data:`MATMUL_PATTERN`: cuBLAS/cuBLASLt kernels
-(``gemm``, ``sgemm``, ``nvjet_*``, ``*xmma*``, ``cutlass*`` tensor-op gemms), Triton templates
+(``gemm``, ``sgemm``, ``gemv``, ``nvjet_*``, ``*xmma*``, ``cublasLt::splitKreduce_kernel``),
+``cutlass*`` tensor-op gemms, Triton templates
 from torch.compile (``triton_tem_fused_mm``, ``..._addmm``, ``..._bmm``) and, on CPU, ``aten::mm``,
 ``aten::bmm``, ``aten::addmm``, ``aten::matmul``, ``aten::linear``. Fused attention kernels
 (flash, mem-efficient, ``fmha``) are *not* counted as matrix multiplies.
@@ -39,7 +40,8 @@ from profkit.timing import PhaseClock, Step, run_steps
 OUTSIDE = "outside phases"
 DEFAULT_PHASES = ("forward", "backward", "optimizer")
 MATMUL_PATTERN = re.compile(
-    r"gemm|nvjet|xmma|cutlass.*(?:tensorop|gemm)|(?:^|[^a-z])(?:mm|bmm|addmm|baddbmm|matmul|linear)(?:[^a-z]|$)"
+    r"gemm|gemv|nvjet|xmma|cublas|splitKreduce|cutlass.*(?:tensorop|gemm)"
+    r"|(?:^|[^a-z])(?:mm|bmm|addmm|baddbmm|matmul|linear)(?:[^a-z]|$)"
     r"|triton_tem_fused_.*mm",
     re.IGNORECASE,
 )

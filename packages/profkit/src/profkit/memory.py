@@ -112,21 +112,26 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
 
 
 def frame_label(frames: Sequence[dict[str, Any]]) -> str:
-    """'file.py:123 function' for the innermost frame of user code.
+    """'file.py:123 function' for the innermost frame of user code, and the library frame it called.
 
-    Frames inside torch and the standard library are skipped (a Linear layer's output is labelled
-    with the model line that called the layer); if every frame is library code the innermost Python
-    frame is used, and without Python frames the innermost C++ one. No frames at all is what the
-    threads of autograd's backward pass record: :data:`NO_PYTHON_FRAMES`.
+    Frames inside torch and the standard library are skipped to find the user's line; the innermost
+    Python frame follows it after ' › ' when that one is library code, so the line of
+    ``optimizer.step()`` reads differently for the optimizer's state and its temporaries. If every
+    frame is library code the innermost Python frame is used, and without Python frames the innermost
+    C++ one. No frames at all is what the threads of autograd's backward pass record:
+    :data:`NO_PYTHON_FRAMES`.
     """
     python = [f for f in frames if str(f.get("filename", "")).endswith(".py")]
-    for frame in python:
-        filename = str(frame["filename"])
-        if not (filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or _LIBRARY_FILE.search(filename)):
-            return _format_frame(frame)
-    if python:
+    if not python:
+        return _format_frame(frames[0]) if frames else NO_PYTHON_FRAMES
+    user = next((f for f in python if not _is_library(str(f["filename"]))), None)
+    if user is None or user is python[0]:
         return _format_frame(python[0])
-    return _format_frame(frames[0]) if frames else NO_PYTHON_FRAMES
+    return f"{_format_frame(user)} › {_format_frame(python[0])}"
+
+
+def _is_library(filename: str) -> bool:
+    return filename.startswith((_TORCH_DIR, _STDLIB_DIR)) or bool(_LIBRARY_FILE.search(filename))
 
 
 def _format_frame(frame: dict[str, Any]) -> str:
