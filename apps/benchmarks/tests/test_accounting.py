@@ -23,7 +23,7 @@ from benchmarks.accounting import (
     training_state_bytes,
 )
 from benchmarks.common import read_results
-from benchmarks.model import MODEL_SIZES
+from benchmarks.model import TransformerLM, count_parameters, model_config
 
 V5P = dict(flops=4.59e14, ici_bandwidth=1.8e11)
 
@@ -136,10 +136,11 @@ def test_bucket_model_optimum_by_brute_force():
         optimal_bucket_count(s, w, 0)
 
 
-def test_xl_parameter_count_matches_its_shape():
-    cfg = MODEL_SIZES["xl"]
-    d, f, n, v = cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.vocab_size
-    assert model_parameter_count("xl") == 2 * v * d + n * (4 * d * d + 3 * d * f + 2 * d) + d
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_parameter_count_formula_matches_the_model(size):
+    with torch.device("meta"):
+        model = TransformerLM(model_config(size))
+    assert model_parameter_count(size) == count_parameters(model)
 
 
 def test_main_writes_analytic_results_with_formulas(tmp_path):
