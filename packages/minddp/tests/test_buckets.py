@@ -56,3 +56,11 @@ def test_a_dropped_wrapper_leaves_no_hooks(single_rank_group):
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     again = BucketedDDP(model)  # wrapping the same module anew works as if it were the first time
     step(again, torch.optim.SGD(again.parameters(), lr=0.1), set_to_none=True)
+
+
+def test_first_bucket_holds_at_most_one_mib_and_the_rest_fill_up(single_rank_group):
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # weights of exactly 1 MiB
+    reverse = ["1.bias", "1.weight", "0.bias", "0.weight"]
+    assert BucketedDDP(model, bucket_size_mb=25).bucket_names == [reverse[:1], reverse[1:]]
+    assert BucketedDDP(model, bucket_size_mb=None).bucket_names == [reverse]
+    assert len(BucketedDDP(model, bucket_size_mb=0.5).bucket_names) == 4

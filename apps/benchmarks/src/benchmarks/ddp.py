@@ -56,7 +56,7 @@ from benchmarks.launch import default_nproc, launch, tensor_device
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import make_ddp
 
-TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--context", "64", "--warmup", "1", "--steps", "3"]
+TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32", "--warmup", "1", "--steps", "2"]
 STRATEGIES = ["naive", "flat", "overlap", "bucketed", "torch"]
 SINGLE = "single"
 
@@ -78,6 +78,7 @@ class StepTimes:
     step_ms: list[float]
     finish_ms: list[float]  # empty where the strategy has no finish_gradient_synchronization
     peak_gib: float
+    buckets: float  # gradient all-reduces per step of the overlapped minddp strategies; NaN otherwise
 
 
 def float_list(text: str) -> list[float]:
@@ -134,6 +135,7 @@ def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device:
         model = TransformerLM(cfg, attention=setup.attention)
     ddp = wrap(model, strategy, bucket_mb, device)
     finish = getattr(ddp, "finish_gradient_synchronization", None)
+    buckets = len(ddp.bucket_names) if hasattr(ddp, "bucket_names") else math.nan
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator(device).manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if setup.precision == "bf16"
@@ -164,7 +166,7 @@ def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     del ddp, model, optimizer, finish
     gc.collect()
-    return StepTimes(step_ms, finish_ms, peak)
+    return StepTimes(step_ms, finish_ms, peak, buckets)
 
 
 def slowest_rank(values: list[float], device: torch.device) -> list[float]:
@@ -202,6 +204,7 @@ def benchmark(setup: Setup, backend: str) -> list[dict[str, object]]:
             "strategy": strategy,
             "bucket MiB": bucket_mb if bucket_mb is not None else (25.0 if strategy == "torch" else math.nan),
             "ranks": 1 if strategy == SINGLE else world_size,
+            "buckets": times.buckets,
             "step ms": step_mean, "step std": step_std,
             "exposed comm ms": step_mean - single_mean if strategy != SINGLE else 0.0,
             "exposed std": math.hypot(step_std, single_std) if strategy != SINGLE else 0.0,

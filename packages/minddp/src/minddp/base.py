@@ -166,19 +166,22 @@ class DataParallel(nn.Module):
                     t.copy_(chunk.view_as(t))
 
 
-def group_by_size(tensors: Sequence[T], max_bytes: float) -> list[list[T]]:
+def group_by_size(tensors: Sequence[T], max_bytes: float,
+                  first_max_bytes: float | None = None) -> list[list[T]]:
     """Consecutive runs of ``tensors`` of one device and dtype holding at most ``max_bytes`` each.
 
-    A tensor larger than ``max_bytes`` forms a group of its own; ``max_bytes=0`` gives one group
-    per tensor and ``math.inf`` one group per (device, dtype) run.
+    A tensor larger than the limit forms a group of its own; ``max_bytes=0`` gives one group per
+    tensor and ``math.inf`` one group per (device, dtype) run. ``first_max_bytes`` limits the
+    first group instead, where given.
     """
     groups: list[list[T]] = []
     group_bytes = 0
     for t in tensors:
         size = t.numel() * t.element_size()
         current = groups[-1] if groups else None
+        limit = first_max_bytes if first_max_bytes is not None and len(groups) == 1 else max_bytes
         if (current is None or (t.device, t.dtype) != (current[0].device, current[0].dtype)
-                or group_bytes + size > max_bytes):
+                or group_bytes + size > limit):
             groups.append([t])
             group_bytes = size
         else:

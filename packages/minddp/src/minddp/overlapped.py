@@ -21,6 +21,7 @@ from torch import nn
 from minddp.base import DataParallel, group_by_size
 
 MiB = 2**20
+FIRST_BUCKET_MB = 1.0
 # Each gradient view starts on a 128-byte boundary of its bucket so vectorized optimizer kernels stay fast.
 _ALIGN_BYTES = 128
 
@@ -82,12 +83,12 @@ def _flat_buffer(params: list[nn.Parameter]) -> tuple[torch.Tensor, list[torch.T
 class _OverlappedDDP(DataParallel):
     """Buckets of at most ``max_bucket_bytes``, each all-reduced asynchronously once complete."""
 
-    def __init__(self, module: nn.Module, max_bucket_bytes: float,
+    def __init__(self, module: nn.Module, max_bucket_bytes: float, first_bucket_bytes: float | None,
                  process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(module, process_group)
         index = {id(p): i for i, p in enumerate(self._params)}
         names = [n for n, _ in self._named_params]
-        groups = group_by_size(self._params[::-1], max_bucket_bytes)
+        groups = group_by_size(self._params[::-1], max_bucket_bytes, first_bucket_bytes)
         self._buckets = [_Bucket(group, [names[index[id(p)]] for p in group], [index[id(p)] for p in group])
                          for group in groups]
         self._next_to_launch = 0
@@ -154,16 +155,18 @@ class OverlapDDP(_OverlappedDDP):
     """
 
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(module, max_bucket_bytes=0, process_group=process_group)
+        super().__init__(module, max_bucket_bytes=0, first_bucket_bytes=None, process_group=process_group)
 
 
 class BucketedDDP(_OverlappedDDP):
     """Gradients grouped in reverse parameter order into buckets of at most ``bucket_size_mb``,
     each all-reduced asynchronously as soon as its last gradient arrives.
 
-    A parameter larger than the bucket size gets a bucket of its own. ``bucket_size_mb`` is in
-    MiB (2**20 bytes, as torch DDP's ``bucket_cap_mb``); ``None`` puts every gradient in one
-    bucket, ``0`` every parameter in its own.
+    A parameter larger than the bucket size gets a bucket of its own. As in torch DDP, the first
+    bucket holds at most 1 MiB, so communication starts with backward's first gradients rather
+    than after a bucket's worth of them. ``bucket_size_mb`` is in MiB (2**20 bytes, as torch
+    DDP's ``bucket_cap_mb``); ``None`` puts every gradient in one bucket, ``0`` every parameter
+    in its own.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = 25.0,
@@ -172,5 +175,9 @@ class BucketedDDP(_OverlappedDDP):
                                                and 0 <= bucket_size_mb < math.inf):
             raise ValueError(
                 f"bucket_size_mb must be a non-negative number of MiB or None, got {bucket_size_mb!r}")
-        super().__init__(module, math.inf if bucket_size_mb is None else bucket_size_mb * MiB, process_group)
+        if bucket_size_mb is None:
+            super().__init__(module, math.inf, None, process_group)
+        else:
+            cap = bucket_size_mb * MiB
+            super().__init__(module, cap, min(cap, FIRST_BUCKET_MB * MiB), process_group)
         self.bucket_size_mb = bucket_size_mb
