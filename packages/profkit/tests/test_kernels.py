@@ -114,7 +114,8 @@ def test_matmul_names(name):
 
 @pytest.mark.parametrize("name", [
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >",
-    "triton_poi_fused_mul_silu_0", "triton_red_fused__softmax_1", "aten::softmax", "aten::add_",
+    "triton_poi_fused_mul_silu_0", "triton_red_fused__softmax_1",
+    "triton_poi_fused_addmm_gelu_0", "aten::softmax", "aten::add_",
     "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64>>",
     "fmha_cutlassF_f32_aligned_64x64",
     "aten::_efficient_attention_forward", "ncclDevKernel_AllReduce_Sum_f32", "Memcpy HtoD",

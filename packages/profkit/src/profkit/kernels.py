@@ -19,7 +19,8 @@ Matrix multiplies are recognised by name with :data:`MATMUL_PATTERN`: cuBLAS/cuB
 ``cutlass*`` tensor-op gemms, Triton templates
 from torch.compile (``triton_tem_fused_mm``, ``..._addmm``, ``..._bmm``) and, on CPU, ``aten::mm``,
 ``aten::bmm``, ``aten::addmm``, ``aten::matmul``, ``aten::linear``. Fused attention kernels
-(flash, mem-efficient, ``fmha``) are *not* counted as matrix multiplies.
+(flash, mem-efficient, ``fmha``) and torch.compile's pointwise and reduction kernels
+(``triton_poi_*``, ``triton_red_*``, ``triton_per_*``, even when named after an addmm) are not.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ MATMUL_PATTERN = re.compile(
     r"|triton_tem_fused_.*mm",
     re.IGNORECASE,
 )
-_NOT_MATMUL = re.compile(r"fmha|flash|attention|attn", re.IGNORECASE)
+# Fused attention, and torch.compile's pointwise/reduction kernels, which are named after the ops they
+# came from (a bias add split off an addmm is "triton_poi_fused_addmm_0").
+_NOT_MATMUL = re.compile(r"fmha|flash|attention|attn|triton_(?:poi|red|per)_", re.IGNORECASE)
 COLUMNS = ("Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
            "StdDev (ns)", "Name")
 
