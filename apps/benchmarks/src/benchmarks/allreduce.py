@@ -21,6 +21,7 @@ world size (then each backend uses the default group: gloo for CPU tensors, NCCL
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -115,12 +116,16 @@ def plot(df: pd.DataFrame, path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser("allreduce", __doc__.splitlines()[0])
+    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
+    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                argparse.ArgumentDefaultsHelpFormatter), {})
     parser.add_argument("--backends", type=str_list(["gloo", "nccl"]),
-                        default=["gloo", "nccl"] if torch.cuda.is_available() else ["gloo"],
-                        help="comma-separated backends: gloo (CPU processes), nccl (one GPU per rank)")
-    parser.add_argument("--sizes-mb", type=int_list, default=[1, 10, 100, 1024],
+                        default="gloo,nccl" if torch.cuda.is_available() else "gloo",
+                        help="comma-separated: gloo (CPU processes), nccl (one GPU per rank; by default "
+                             "only with GPUs)")
+    parser.add_argument("--sizes-mb", type=int_list, default="1,10,100,1024",
                         help="float32 tensor sizes in MiB")
-    parser.add_argument("--world-sizes", type=int_list, default=[2, 4, 6],
+    parser.add_argument("--world-sizes", type=int_list, default="2,4,6",
                         help="ranks per run (NCCL: only up to the GPU count); ignored under torchrun")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls per cell")
     parser.add_argument("--iters", type=int, default=10, help="timed calls per cell (fewer above 400 MiB)")

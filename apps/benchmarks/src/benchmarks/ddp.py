@@ -56,7 +56,8 @@ from benchmarks.launch import default_nproc, launch, tensor_device
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import make_ddp
 
-TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32", "--warmup", "1", "--steps", "2"]
+TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32",
+             "--warmup", "1", "--steps", "2"]
 STRATEGIES = ["naive", "flat", "overlap", "bucketed", "torch"]
 SINGLE = "single"
 
@@ -230,20 +231,24 @@ def runs_from(strategies: list[str], bucket_mbs: list[float]) -> tuple[tuple[str
 def main(argv: list[str] | None = None) -> None:
     has_gpu = torch.cuda.is_available()
     parser = make_parser("ddp", __doc__.splitlines()[0])
-    parser.add_argument("--strategy", type=str_list(STRATEGIES), default=STRATEGIES,
+    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
+    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.add_argument("--strategy", type=str_list(STRATEGIES), default="all",
                         help=f"comma-separated among {', '.join(STRATEGIES)} (or 'all')")
-    parser.add_argument("--bucket-mb", type=float_list, default=[25.0],
+    parser.add_argument("--bucket-mb", type=float_list, default="25",
                         help="bucket sizes (MiB) for 'bucketed', one row each: e.g. 1,10,100,1000")
     parser.add_argument("--size", choices=list(MODEL_SIZES), default="xl" if has_gpu else "tiny",
-                        help="reference model size")
+                        help="reference model size (xl on a GPU, tiny without)")
     parser.add_argument("--attention", choices=["naive", "sdpa", "flash"], default="naive",
                         help="attention implementation of the model")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16" if has_gpu else "fp32",
-                        help="fp32, or bf16 autocast (parameters, gradients and their all-reduce stay fp32)")
+                        help="fp32, or bf16 autocast: parameters, gradients and their all-reduce stay fp32 "
+                             "(bf16 on a GPU, fp32 without)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU (per rank)")
     parser.add_argument("--context", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="nccl" if has_gpu else "gloo",
-                        help="nccl: one GPU per rank; gloo: CPU processes")
+                        help="nccl: one GPU per rank; gloo: CPU processes (nccl on a GPU, gloo without)")
     parser.add_argument("--nproc", type=int, default=None,
                         help="ranks (default: every GPU for nccl, 2 for gloo; torchrun's under torchrun)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
