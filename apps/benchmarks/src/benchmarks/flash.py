@@ -1,0 +1,389 @@
+"""FlashAttention-2 in Triton vs PyTorch, naive attention and SDPA's backends: forward, backward, both.
+
+Times (median of triton.testing.do_bench on CUDA; a wall-clock median on CPU) each implementation on
+inputs of shape (1, batch*heads, T, d), causal by default:
+
+  triton          flashattn_triton.FlashAttentionTriton (the Triton kernels)
+  torch           flashattn_triton.FlashAttentionTorch (tiled PyTorch, compiled backward on CUDA)
+  naive           softmax(q k^T / sqrt(d)) v with the T x T scores in memory
+  sdpa-flash      torch.nn.functional.scaled_dot_product_attention, FLASH_ATTENTION backend
+  sdpa-cudnn      ... CUDNN_ATTENTION backend
+  sdpa-efficient  ... EFFICIENT_ATTENTION backend (the one that takes float32)
+
+The sweep is batch*heads = --batch, T in --seq, d in --dims, each dtype in --dtypes, plus the
+bfloat16 shapes in --shapes. A cell reads OOM when the GPU ran out of memory, unsupported when the
+implementation does not run here (SDPA's flash and cuDNN backends take no float32), and skipped when
+T is above --naive-max-seq / --torch-max-seq (those two would take minutes per cell, not fail).
+TFLOP/s counts 4*B*T*T*d for the forward (half of it when causal) and 2.5 times that for the
+backward. The columns "x flash", "x cudnn", "x efficient" are the speedup over that SDPA backend
+(its time / this time: above 1 is faster); their geometric means over T >= --geomean-min-seq are
+printed per dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    OOM,
+    as_cell,
+    console,
+    device,
+    free_device_memory,
+    int_list,
+    is_oom,
+    make_parser,
+    parse_args,
+    print_table,
+    progress,
+    save_results,
+    str_list,
+)
+
+IMPLS = ["triton", "torch", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
+PASSES = ["fwd", "bwd", "fwd+bwd"]
+BASELINES = {"flash": "sdpa-flash", "cudnn": "sdpa-cudnn", "efficient": "sdpa-efficient"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+NOT_AVAILABLE = "unsupported"  # not "n/a": pandas reads that back as NaN
+SKIPPED = "skipped"
+TOUR_ARGS = ["--quick"]
+
+# --quick: a short run that still says something; bigger on a GPU.
+QUICK_CPU = {
+    "seq": [128, 256],
+    "dims": [16, 32],
+    "dtypes": ["float32"],
+    "shapes": [],
+    "impls": ["triton", "torch", "naive", "sdpa-flash"],
+}
+QUICK_GPU = {
+    "seq": [1024, 4096],
+    "dims": [64, 128],
+    "dtypes": ["bfloat16"],
+    "shapes": ["16x16384x64"],
+    "impls": ["triton", "naive", "sdpa-flash", "sdpa-cudnn"],
+}
+DEFAULTS = {
+    "seq": [2**i for i in range(7, 17)],
+    "dims": [16, 32, 64, 128],
+    "dtypes": ["bfloat16", "float32"],
+    "shapes": ["16x16384x64", "1x65536x128", "64x4096x128"],
+    "impls": IMPLS,
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch_heads: int
+    seq: int
+    head_dim: int
+    dtype: str
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'16x16384x64' -> (batch*heads, T, d)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"expected BATCHxTxD with positive integers (like 16x16384x64), got {text!r}")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def shape_list(text: str) -> list[str]:
+    """argparse type for '16x16384x64,1x65536x128' (checked, kept as text)."""
+    items = [x for x in text.split(",") if x]
+    for item in items:
+        try:
+            parse_shape(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return items
+
+
+def forward_flops(batch_heads, seq, head_dim, causal: bool):
+    """4*B*T*T*d (two matmuls), half of it under causal masking; scalars or pandas columns."""
+    return 4.0 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+
+
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}  # the backward is 2.5 forwards: 5 matmuls to 2
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    from flashattn_triton import reference_attention
+
+    return reference_attention(q, k, v, is_causal=causal)
+
+
+def sdpa(backend_name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def attention_fn(impl: str, dev: torch.device) -> Callable[..., torch.Tensor] | None:
+    """impl as f(q, k, v, causal), or None if it cannot run on this device."""
+    from flashattn_triton import FlashAttentionTorch, FlashAttentionTriton
+    from flashattn_triton.functional import uses_triton
+
+    if impl == "triton":
+        return (
+            (lambda q, k, v, causal: FlashAttentionTriton.apply(q, k, v, causal))
+            if uses_triton(dev)
+            else None
+        )
+    if impl == "torch":
+        return lambda q, k, v, causal: FlashAttentionTorch.apply(q, k, v, causal)
+    if impl == "naive":
+        return naive_attention
+    return sdpa(
+        {
+            "sdpa-flash": "FLASH_ATTENTION",
+            "sdpa-cudnn": "CUDNN_ATTENTION",
+            "sdpa-efficient": "EFFICIENT_ATTENTION",
+        }[impl]
+    )
+
+
+def make_timer(dev: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], object]], float]:
+    """fn -> median milliseconds: triton.testing.do_bench on CUDA, wall clock on CPU."""
+    if dev.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+    def cpu_median(fn: Callable[[], object]) -> float:
+        deadline = time.perf_counter() + warmup_ms / 1e3
+        fn()
+        while time.perf_counter() < deadline:
+            fn()
+        times: list[float] = []
+        deadline = time.perf_counter() + rep_ms / 1e3
+        while len(times) < 3 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    return cpu_median
+
+
+def measure(
+    fn: Callable[..., torch.Tensor],
+    shape: Shape,
+    causal: bool,
+    passes: list[str],
+    dev: torch.device,
+    timer: Callable[[Callable[[], object]], float],
+) -> dict[str, float | str]:
+    """Median ms of each pass, NOT_AVAILABLE if fn refuses this dtype/device, OOM if memory ran out."""
+    dtype = DTYPES[shape.dtype]
+    generator = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (
+        torch.randn(
+            1, shape.batch_heads, shape.seq, shape.head_dim, device=dev, dtype=dtype, generator=generator
+        ).requires_grad_()
+        for _ in range(3)
+    )
+    grad_out = torch.randn_like(q)
+    inputs = (q, k, v)
+    try:
+        with warnings.catch_warnings():  # SDPA warns why a backend refuses; the cell says unsupported
+            warnings.simplefilter("ignore")
+            out = fn(q, k, v, causal)
+    except RuntimeError as exc:
+        if is_oom(exc):
+            free_device_memory()
+            return dict.fromkeys(passes, OOM)
+        if "No available kernel" in str(exc) or "No viable backend" in str(exc):
+            return dict.fromkeys(passes, NOT_AVAILABLE)
+        raise
+    runs = {
+        "fwd": lambda: fn(q, k, v, causal),
+        "bwd": lambda: torch.autograd.grad(out, inputs, grad_out, retain_graph=True),
+        "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v, causal), inputs, grad_out),
+    }
+    result: dict[str, float | str] = {}
+    for which in passes:
+        try:
+            result[which] = timer(runs[which])
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            free_device_memory()
+            result[which] = OOM
+    return result
+
+
+def skip_reason(impl: str, shape: Shape, args) -> str | None:
+    if impl == "naive" and shape.seq > args.naive_max_seq:
+        return SKIPPED
+    if impl == "torch" and shape.seq > args.torch_max_seq:
+        return SKIPPED
+    return None
+
+
+def _numbers(column: pd.Series) -> pd.Series:
+    """The numeric cells of a column; OOM, unsupported and skipped become NaN."""
+    return pd.to_numeric(column, errors="coerce").reset_index(drop=True)
+
+
+def _cells(values: pd.Series) -> list:
+    """Three significant digits, '-' where there is no number."""
+    return [float(f"{x:.3g}") if not math.isnan(x) else "-" for x in values]
+
+
+def add_ratios(df: pd.DataFrame, passes: list[str], causal: bool) -> pd.DataFrame:
+    """TFLOP/s columns and, per SDPA backend present, 'x <backend>' speedups (its ms / this row's ms)."""
+    key = ["batch*heads", "T", "d", "dtype"]
+    out = df.reset_index(drop=True)
+    flops = forward_flops(out["batch*heads"], out["T"], out["d"], causal)
+    for which in passes:
+        out[f"{which} TFLOP/s"] = _cells(flops * PASS_FLOPS[which] / (_numbers(out[f"{which} ms"]) * 1e9))
+    for label, baseline in BASELINES.items():
+        base = out[out["impl"] == baseline]
+        if base.empty:
+            continue
+        aligned = out[key].merge(
+            base[key + [f"{w} ms" for w in passes]], on=key, how="left", suffixes=("", "_base")
+        )
+        for which in passes:
+            out[f"{which} x {label}"] = _cells(
+                _numbers(aligned[f"{which} ms"]) / _numbers(out[f"{which} ms"])
+            )
+    return out
+
+
+def geomean_summary(df: pd.DataFrame, passes: list[str], min_seq: int) -> list[str]:
+    """One line per (dtype, impl, SDPA backend): the geometric-mean speedup of each pass over T >= min_seq."""
+    lines = []
+    for dtype in df["dtype"].unique():
+        rows = df[(df["dtype"] == dtype) & (df["T"] >= min_seq)]
+        for impl in [i for i in rows["impl"].unique() if not i.startswith("sdpa")]:
+            mine = rows[rows["impl"] == impl]
+            for label in BASELINES:
+                parts = []
+                for which in passes:
+                    column = f"{which} x {label}"
+                    values = pd.to_numeric(mine.get(column, pd.Series(dtype=float)), errors="coerce").dropna()
+                    values = values[values > 0]
+                    if len(values):
+                        geomean = math.exp(sum(math.log(x) for x in values) / len(values))
+                        parts.append(f"{which} {geomean:.2f}x (min {values.min():.2f}, n={len(values)})")
+                if parts:
+                    lines.append(f"{dtype} T>={min_seq}: {impl} vs sdpa-{label}: " + ", ".join(parts))
+    return lines
+
+
+def build_shapes(args) -> list[Shape]:
+    shapes = [
+        Shape(args.batch, seq, d, dtype) for dtype in args.dtypes for d in args.dims for seq in args.seq
+    ]
+    shapes += [Shape(*parse_shape(text), "bfloat16") for text in args.shapes]
+    return list(dict.fromkeys(shapes))
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = make_parser("flash", __doc__.splitlines()[0])
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: T 128,256 and d 16,32 in float32 on CPU; T 1024,4096, d 64,128 in "
+        "bfloat16 and 16x16384x64 on a GPU (options given explicitly still apply)",
+    )
+    parser.add_argument(
+        "--seq",
+        type=int_list,
+        default=None,
+        help=f"sequence lengths of the sweep (default {','.join(map(str, DEFAULTS['seq']))})",
+    )
+    parser.add_argument(
+        "--dims", type=int_list, default=None, help="head dims of the sweep (default 16,32,64,128)"
+    )
+    parser.add_argument(
+        "--dtypes", type=str_list(DTYPES), default=None, help="dtypes of the sweep (default bfloat16,float32)"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="batch*heads of the sweep")
+    parser.add_argument(
+        "--shapes",
+        type=shape_list,
+        default=None,
+        help="extra bfloat16 shapes BATCH*HEADSxTxD (default 16x16384x64,1x65536x128,64x4096x128; "
+        "'' for none)",
+    )
+    parser.add_argument(
+        "--impls", type=str_list(IMPLS), default=None, help=f"implementations ({', '.join(IMPLS)})"
+    )
+    parser.add_argument("--passes", type=str_list(PASSES), default=PASSES, help="passes to time")
+    parser.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking"
+    )
+    parser.add_argument("--naive-max-seq", type=int, default=16384, help="skip naive attention above this T")
+    parser.add_argument(
+        "--torch-max-seq", type=int, default=8192, help="skip FlashAttentionTorch above this T"
+    )
+    parser.add_argument("--warmup", type=float, default=10.0, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=float, default=50.0, help="do_bench measuring time, ms")
+    parser.add_argument("--geomean-min-seq", type=int, default=1024, help="geometric means over T >= this")
+    args = parse_args(parser, argv)
+    dev = device()
+    preset = (QUICK_GPU if dev.type == "cuda" else QUICK_CPU) if args.quick else DEFAULTS
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+    timer = make_timer(dev, args.warmup, args.rep)
+    shapes = build_shapes(args)
+    cells = [(shape, impl) for shape in shapes for impl in args.impls]
+    rows = []
+    with progress() as bar:
+        for shape, impl in bar.track(cells, description="timing"):
+            fn = attention_fn(impl, dev)
+            reason = NOT_AVAILABLE if fn is None else skip_reason(impl, shape, args)
+            times = (
+                dict.fromkeys(args.passes, reason)
+                if reason
+                else measure(fn, shape, args.causal, args.passes, dev, timer)
+            )
+            rows.append(
+                {
+                    "batch*heads": shape.batch_heads,
+                    "T": shape.seq,
+                    "d": shape.head_dim,
+                    "dtype": shape.dtype,
+                    "causal": args.causal,
+                    "impl": impl,
+                    **{f"{which} ms": as_cell(value, 4) for which, value in times.items()},
+                }
+            )
+            free_device_memory()
+    df = add_ratios(pd.DataFrame(rows), args.passes, args.causal)
+    print_table(
+        df.drop(columns=["causal"]),
+        f"attention, {'causal' if args.causal else 'not causal'}, "
+        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}",
+    )
+    summary = geomean_summary(df, args.passes, args.geomean_min_seq)
+    for line in summary:
+        console.print(line)
+    save_results(df, "flash", args, {"geomeans": " | ".join(summary)} if summary else None)
+    return df
+
+
+if __name__ == "__main__":
+    main()

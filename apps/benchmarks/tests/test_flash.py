@@ -1,0 +1,86 @@
+import math
+
+import pandas as pd
+import pytest
+
+from benchmarks.common import read_results
+from benchmarks.flash import add_ratios, forward_flops, geomean_summary, main, parse_shape
+
+
+def test_tiny_sweep_writes_every_cell(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    main(
+        [
+            "--seq",
+            "64,96",
+            "--dims",
+            "16",
+            "--dtypes",
+            "float32",
+            "--shapes",
+            "",
+            "--impls",
+            "triton,torch,naive,sdpa-flash,sdpa-cudnn",
+            "--naive-max-seq",
+            "64",
+            "--warmup",
+            "1",
+            "--rep",
+            "5",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    df, meta = read_results(tmp_path / "cpu" / "flash.csv")
+    assert meta["command"].startswith("python -m benchmarks.flash --seq 64,96")
+    assert len(df) == 2 * 5
+    cells = df.set_index(["T", "impl"])
+    for seq in (64, 96):
+        assert float(cells.loc[(seq, "torch"), "fwd ms"]) > 0
+        assert float(cells.loc[(seq, "sdpa-flash"), "fwd+bwd x flash"]) == 1.0
+        assert cells.loc[(seq, "triton"), "bwd ms"] == "unsupported"  # no GPU, no interpreter
+        assert cells.loc[(seq, "sdpa-cudnn"), "fwd ms"] == "unsupported"
+    assert float(cells.loc[(64, "naive"), "bwd ms"]) > 0
+    assert cells.loc[(96, "naive"), "fwd ms"] == "skipped"
+
+
+def test_ratios_and_tflops_from_times():
+    rows = [
+        {
+            "batch*heads": 2,
+            "T": 1024,
+            "d": 64,
+            "dtype": "bfloat16",
+            "causal": True,
+            "impl": impl,
+            "fwd ms": fwd,
+            "bwd ms": bwd,
+        }
+        for impl, fwd, bwd in [("triton", 1.0, 4.0), ("sdpa-flash", 2.0, 2.0), ("naive", "OOM", "OOM")]
+    ]
+    df = add_ratios(pd.DataFrame(rows), ["fwd", "bwd"], causal=True)
+    triton = df[df["impl"] == "triton"].iloc[0]
+    assert triton["fwd x flash"] == 2.0 and triton["bwd x flash"] == 0.5
+    assert triton["fwd TFLOP/s"] == pytest.approx(forward_flops(2, 1024, 64, True) / 1e9, rel=1e-2)
+    assert df[df["impl"] == "naive"].iloc[0]["fwd x flash"] == "-"
+    assert "fwd x cudnn" not in df.columns  # no cuDNN rows, no cuDNN ratios
+    lines = geomean_summary(df, ["fwd", "bwd"], min_seq=1024)
+    assert any(
+        "triton vs sdpa-flash" in line and "fwd 2.00x" in line and "bwd 0.50x" in line for line in lines
+    )
+
+
+def test_flops_and_shapes():
+    assert forward_flops(1, 128, 64, causal=False) == 4 * 128 * 128 * 64
+    assert forward_flops(1, 128, 64, causal=True) == 2 * 128 * 128 * 64
+    assert parse_shape("16x16384x64") == (16, 16384, 64)
+    with pytest.raises(ValueError, match="BATCHxTxD"):
+        parse_shape("16x16384")
+    assert math.isclose(forward_flops(16, 16384, 64, True) * 3.5 / 4.5e-3 / 1e12, 427.6, rel_tol=1e-3)
+
+
+def test_help_explains_the_columns(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "--naive-max-seq" in text and "x flash" in text

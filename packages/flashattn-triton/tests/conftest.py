@@ -1,0 +1,154 @@
+"""Shared helpers: random attention problems, their float64 reference and the error bounds."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from flashattn_triton import reference_attention, reference_logsumexp
+
+# Floors of the (relative Frobenius error, max error relative to max |reference|) allowed per dtype for
+# O, L and each gradient; typical: float32 ~5e-7, float16 ~1e-3, bfloat16 ~1e-2 (max-norm, d = 128).
+# A bug (a key tile missed, a mask off by one) costs at least ~1/Tk, far above these.
+BOUNDS = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (4e-3, 6e-3),
+    torch.bfloat16: (2.5e-2, 3e-2),
+}
+# Ill-conditioned problems (a peaked softmax makes dS = P (dP - D) a small difference of large terms)
+# lose accuracy in any implementation, FlashAttention's P = exp(S - L) a little more than a softmax;
+# the bound then grows to this many times the error of naive attention in the input dtype.
+BASELINE_FACTOR = 10.0
+NAMES = ["out", "lse", "dq", "dk", "dv"]
+
+
+@dataclasses.dataclass
+class Problem:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor
+    is_causal: bool
+    scale: float | None
+    reference: dict[str, torch.Tensor]  # float64, from the dtype-rounded inputs, by NAMES
+    baseline: dict[str, tuple[float, float]]  # errors of naive attention in the input dtype
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh leaf copies of q, k, v that keep their strides, with requires_grad."""
+        return tuple(_same_layout(t) for t in (self.q, self.k, self.v))
+
+    def check(self, out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              lse: torch.Tensor | None = None) -> None:
+        """out (and lse) from the forward, q/k/v after out.backward(grad_out): all within bounds."""
+        assert out.shape == self.q.shape and out.dtype == self.q.dtype
+        got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        if lse is not None:
+            assert lse.dtype == torch.float32 and lse.shape == self.q.shape[:-1]
+            got["lse"] = lse
+        self.assert_close(got)
+
+    def assert_close(self, got: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> None:
+        """Each tensor of got (named as in NAMES) against the reference; dtype's bounds (default q's)."""
+        assert_close([(name, value, self.reference[name]) for name, value in got.items()],
+                     dtype or self.q.dtype, self.baseline)
+
+
+def _same_layout(t: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t).requires_grad_()
+
+
+def relative_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(|got - want| / |want|, max|got - want| / max|want|). A reference that is exactly 0 up to
+    rounding (dQ and dK with a single key) is measured against values of size 1, the scale of the
+    inputs: rounding leaves a cancellation residue there, not a relative error."""
+    diff = got.double() - want
+    degenerate = want.abs().max().item() < 1e-6
+    fro = diff.norm() / (want.numel() ** 0.5 if degenerate else want.norm())
+    worst = diff.abs().max() / (1.0 if degenerate else want.abs().max())
+    return fro.item(), worst.item()
+
+
+def assert_close(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], dtype: torch.dtype,
+                 baseline: dict[str, tuple[float, float]] | None = None) -> None:
+    """Every (name, got, float64 reference) within BOUNDS[dtype], or BASELINE_FACTOR x baseline[name]."""
+    report = []
+    for name, got, want in pairs:
+        assert got is not None, f"{name} is missing"
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert torch.isfinite(got).all(), f"{name} has non-finite values"
+        fro, worst = relative_errors(got, want)
+        fro_bound, max_bound = BOUNDS[dtype]
+        if baseline and name in baseline:
+            fro_bound = max(fro_bound, BASELINE_FACTOR * baseline[name][0])
+            max_bound = max(max_bound, BASELINE_FACTOR * baseline[name][1])
+        report.append(f"{name}: {fro:.2e} / {worst:.2e}")
+        assert fro <= fro_bound and worst <= max_bound, (
+            f"{name} off for {dtype}: relative error {fro:.2e} (bound {fro_bound:.1e}), max-norm {worst:.2e} "
+            f"(bound {max_bound:.1e}); all: {'; '.join(report)}")
+
+
+def random_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str, layout: str, generator: torch.Generator
+) -> torch.Tensor:
+    """Normal random (..., T, d) in one of the layouts: contiguous, 'transposed' (T ahead of the
+    leading dims in memory, like (B, T, H, d).transpose(1, 2)) or 'padded' (rows of a wider tensor)."""
+
+    def randn(size: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(size, generator=generator, device=device).to(dtype)
+
+    if layout == "contiguous":
+        return randn(shape)
+    if layout == "transposed":
+        return randn((shape[-2], *shape[:-2], shape[-1])).movedim(0, -2)
+    if layout == "padded":
+        return randn((*shape[:-1], shape[-1] + 8))[..., : shape[-1]]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def make_problem(
+    lead: tuple[int, ...],
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    is_causal: bool,
+    device: str = "cpu",
+    layout: str = "contiguous",
+    scale: float | None = None,
+    seed: int | None = None,
+) -> Problem:
+    """Fresh random inputs (seeded from `seed`, or at random) and the float64 reference for them."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(random.randrange(2**31) if seed is None else seed)
+    q = random_tensor((*lead, seqlen_q, head_dim), dtype, device, layout, generator)
+    k = random_tensor((*lead, seqlen_k, head_dim), dtype, device, layout, generator)
+    v = random_tensor((*lead, seqlen_k, head_dim), dtype, device, layout, generator)
+    grad_out = torch.randn((*lead, seqlen_q, head_dim), generator=generator, device=device).to(dtype)
+    reference = _attention_and_gradients(q, k, v, grad_out, is_causal, scale, torch.float64)
+    naive = _attention_and_gradients(q, k, v, grad_out, is_causal, scale, dtype)
+    baseline = {name: relative_errors(naive[name], reference[name]) for name in NAMES}
+    return Problem(q, k, v, grad_out, is_causal, scale, reference, baseline)
+
+
+def _attention_and_gradients(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, is_causal: bool,
+    scale: float | None, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Naive attention's O, L and gradients, computed in dtype."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    out = reference_attention(q, k, v, is_causal, scale)
+    out.backward(grad_out.to(dtype))
+    lse = reference_logsumexp(q.detach(), k.detach(), is_causal, scale)
+    return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.fixture
+def problem():
+    """make_problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device=, layout=, scale=)."""
+    return make_problem
+
+

@@ -1,0 +1,76 @@
+"""The Triton kernels under Triton's CPU interpreter, float32 (and float16) on small shapes.
+
+Not collected on its own (TRITON_INTERPRET must be set before the kernels are first imported):
+test_triton_interpreter.py runs this file in a pytest subprocess with TRITON_INTERPRET=1. The
+interpreter computes bfloat16 dot products wrongly, so bfloat16 is left to the CUDA tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flashattn_triton import FlashAttentionTriton, flash_attention
+from flashattn_triton._configs import BackwardConfig, ForwardConfig
+from flashattn_triton.triton_impl import triton_backward, triton_forward
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_triton_interpreter.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
+
+CASES = [  # (leading dims, Tq, Tk, d, causal, layout, dtype)
+    ((2, 3), 50, 37, 32, True, "contiguous", torch.float32),
+    ((2,), 33, 70, 16, False, "transposed", torch.float32),
+    ((1, 2), 64, 64, 64, True, "contiguous", torch.float32),
+    ((3,), 17, 17, 96, False, "padded", torch.float32),
+    ((2,), 40, 90, 128, True, "contiguous", torch.float32),
+    ((1, 1), 1, 5, 16, True, "contiguous", torch.float32),
+    ((2,), 70, 20, 32, True, "transposed", torch.float32),
+    ((1,), 45, 45, 8, True, "contiguous", torch.float32),
+    ((2, 2), 48, 48, 64, True, "contiguous", torch.float16),
+    ((1,), 31, 63, 32, False, "padded", torch.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=[
+        f"{c[0]}-{c[1]}x{c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{c[5]}-{str(c[6])[6:]}" for c in CASES
+    ],
+)
+def test_triton_kernels_match_float64_reference(problem, case):
+    lead, seqlen_q, seqlen_k, head_dim, is_causal, layout, dtype = case
+    p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, layout=layout)
+    q, k, v = p.inputs()
+    out = FlashAttentionTriton.apply(q, k, v, is_causal=is_causal)
+    saved = out.grad_fn.saved_tensors
+    (lse,) = [t for t in saved if t.shape == q.shape[:-1]]
+    out.backward(p.grad_out)
+    p.check(out, q, k, v, lse)
+
+
+BACKWARD_CONFIGS = [
+    BackwardConfig(32, 16, 16, 32, 4, 1),
+    BackwardConfig(16, 32, 32, 16, 4, 1, atomic_dq=True),
+]
+
+
+@pytest.mark.parametrize("backward", BACKWARD_CONFIGS, ids=["separate-dq", "atomic-dq"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_other_tile_shapes(problem, is_causal, backward):
+    """Query tiles narrower than key tiles in the forward and in dQ, wider in dK/dV; dQ by atomics."""
+    p = problem((2,), 75, 51, 32, torch.float32, is_causal, scale=0.2)
+    out, lse = triton_forward(p.q, p.k, p.v, is_causal, 0.2, ForwardConfig(16, 32, 4, 1))
+    grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.2, backward)
+    p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
+def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(problem):
+    p = problem((2,), 20, 20, 16, torch.float32, True, scale=0.5)
+    q, k, v = p.inputs()
+    out = flash_attention(q, k, v, is_causal=True, scale=0.5)
+    assert "FlashAttentionTriton" in type(out.grad_fn).__name__
+    out.backward(p.grad_out)
+    p.check(out, q, k, v)

@@ -1,0 +1,185 @@
+"""The Triton kernels and the PyTorch path on a CUDA GPU: every dtype, head dim and mask, larger shapes."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+from flashattn_triton import FlashAttentionTorch, FlashAttentionTriton, flash_attention, triton_impl
+from flashattn_triton._configs import ForwardConfig
+from flashattn_triton.torch_impl import _backward_key_tile, _CompiledOnCuda
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [16, 32, 64, 96, 128, 256]
+SHAPES = [
+    ((2, 3), 300, 300),
+    ((1,), 1024, 1024),
+    ((2, 2), 129, 700),
+    ((3,), 700, 129),
+    ((1, 2, 2), 64, 64),
+    ((2,), 1, 33),
+    ((1, 2), 2048, 2048),
+]
+LAYOUTS = ["contiguous", "transposed", "padded"]
+CASES = [
+    (dtype, head_dim, is_causal, *SHAPES[i % len(SHAPES)], LAYOUTS[i % len(LAYOUTS)])
+    for i, (dtype, head_dim, is_causal) in enumerate(itertools.product(DTYPES, HEAD_DIMS, [False, True]))
+]
+
+
+def case_id(case) -> str:
+    dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
+    mask = "causal" if is_causal else "full"
+    return f"{str(dtype)[6:]}-d{head_dim}-{mask}-{lead}-{seqlen_q}x{seqlen_k}-{layout}"
+
+
+@pytest.fixture(autouse=True)
+def float32_matmuls_in_full_precision():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def poison_allocator() -> None:
+    """Fill the caching allocator's free memory with NaN, so anything a kernel fails to write shows."""
+    block = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device="cuda").fill_(float("nan"))
+    del block
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_triton_matches_float64_reference(problem, case):
+    dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
+    p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
+    q, k, v = p.inputs()
+    poison_allocator()
+    out = FlashAttentionTriton.apply(q, k, v, is_causal=is_causal)
+    (lse,) = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+    out.backward(p.grad_out)
+    p.check(out, q, k, v, lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_long_causal_sequence(problem, dtype):
+    p = problem((1, 4), 4096, 4096, 128, dtype, True, device="cuda", scale=0.1)
+    q, k, v = p.inputs()
+    out = FlashAttentionTriton.apply(q, k, v, True, 0.1)
+    out.backward(p.grad_out)
+    p.check(out, q, k, v)
+
+
+def test_float32_with_tf32_allowed(problem, check_close):
+    """With TF32 matmuls allowed the kernels take TF32 products: float16's 10-bit mantissa and bounds."""
+    torch.set_float32_matmul_precision("high")
+    p = problem((2, 2), 500, 500, 64, torch.float32, True, device="cuda")
+    q, k, v = p.inputs()
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    out.backward(p.grad_out)
+    p.assert_close({"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}, torch.float16)
+
+
+def test_flash_attention_runs_triton_on_cuda(problem):
+    p = problem((2, 4), 257, 257, 64, torch.bfloat16, True, device="cuda")
+    q, k, v = p.inputs()
+    out = flash_attention(q, k, v, is_causal=True)
+    assert "FlashAttentionTriton" in type(out.grad_fn).__name__
+    out.backward(p.grad_out)
+    p.check(out, q, k, v)
+
+
+def test_flash_attention_under_autocast_takes_bfloat16():
+    q, k, v = (torch.randn(2, 128, 64, device="cuda") for _ in range(3))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = flash_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_path_on_cuda_with_compiled_backward(problem, dtype):
+    from flashattn_triton.torch_impl import _backward_step
+
+    p = problem((2, 3), 333, 200, 64, dtype, True, device="cuda")
+    q, k, v = p.inputs()
+    out = FlashAttentionTorch.apply(q, k, v, is_causal=True)
+    out.backward(p.grad_out)
+    p.check(out, q, k, v)
+    assert not _backward_step.failed, "torch.compile failed on this machine: the backward ran eagerly"
+
+
+def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    step = _CompiledOnCuda(_backward_key_tile)
+    x = torch.randn(1, 4, 16, device="cuda")
+    lse, delta = torch.zeros(1, 4, device="cuda"), torch.zeros(1, 4, device="cuda")
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        first = step(x, x, x, x, x, x, lse, delta, 0.25, 0, 0, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = step(x, x, x, x, x, x, lse, delta, 0.25, 0, 0, True)
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_config_too_big_for_shared_memory_steps_down(problem, check_close):
+    p = problem((1, 2), 512, 512, 128, torch.bfloat16, True, device="cuda")
+    huge = ForwardConfig(256, 256, 8, 4)
+    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 128**-0.5, config=huge)
+    p.assert_close({"out": out, "lse": lse})
+    fitted = triton_impl._fitted[("fwd", p.q.device, 128, torch.bfloat16, True, huge)]
+    assert fitted != huge
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_memory_stays_far_below_t_squared_at_32k(is_causal):
+    seqlen = 32768
+    q, k, v = (
+        torch.randn(1, seqlen, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = FlashAttentionTriton.apply(q, k, v, is_causal)
+    forward_peak = torch.cuda.max_memory_allocated() - before
+    out.backward(torch.ones_like(out))
+    total_peak = torch.cuda.max_memory_allocated() - before
+    assert forward_peak < seqlen * seqlen / 64, f"forward peak {forward_peak / 2**20:.1f} MiB"
+    assert total_peak < seqlen * seqlen / 16, f"forward+backward peak {total_peak / 2**20:.1f} MiB"
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
+def test_saved_tensors_and_keyword_apply():
+    q, k, v = (
+        torch.randn(3, 100, 32, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3)
+    )
+    out = FlashAttentionTriton.apply(q, k, v, is_causal=True)
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 5
+    (lse,) = [t for t in saved if t.shape == q.shape[:-1]]
+    assert lse.dtype == torch.float32
+
+
+def test_no_queries_give_zero_key_gradients():
+    q = torch.randn(2, 0, 32, device="cuda", requires_grad=True)
+    k, v = (torch.randn(2, 9, 32, device="cuda", requires_grad=True) for _ in range(2))
+    out = FlashAttentionTriton.apply(q, k, v)
+    out.sum().backward()
+    assert out.shape == q.shape and not k.grad.any() and not v.grad.any()
+
+
+def test_mixed_devices_are_refused():
+    q = torch.randn(2, 8, 16, device="cuda")
+    with pytest.raises(ValueError, match="k is on cpu but q is on cuda"):
+        FlashAttentionTriton.apply(q, q.cpu(), q)

@@ -1,0 +1,59 @@
+"""Runs interpreted_kernels.py in a subprocess with TRITON_INTERPRET=1.
+
+Triton decides between compiling and interpreting when a kernel is defined, so the interpreter needs
+its own process; this keeps the variable out of every other test of the same pytest run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashattn_triton import FlashAttentionTriton
+from flashattn_triton.triton_impl import _interpreted
+
+
+def test_triton_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            "--rootdir",
+            str(here),
+            "-o",
+            "addopts=",
+            str(here / "interpreted_kernels.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0 and " passed" in summary and "skipped" not in summary, (
+        f"interpreted kernel tests failed ({summary}):\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    )
+
+
+def test_interpreter_requested_after_the_kernels_were_compiled_is_refused(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if _interpreted():  # this process imported the kernels under TRITON_INTERPRET=1 itself
+        return
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 8, 16)
+    with pytest.raises(RuntimeError, match="set it before the first call"):
+        FlashAttentionTriton.apply(q, q, q)
