@@ -39,7 +39,7 @@ PACKAGES = {
 }
 ALIASES = {"flash": "flashattn-triton", "benchmarks": "cs336-systems-benchmarks"}
 LIBRARIES = [name for name in PACKAGES if name != "cs336-systems-benchmarks"]
-PYTEST = ["pytest", "-p", "no:cacheprovider", "-ra"]
+PYTEST = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-ra"]
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
