@@ -75,8 +75,9 @@ def flash_rows() -> pd.DataFrame:
             oom = impl == "naive" and t >= 8192
             cells = {f"{p} ms": "OOM" if oom else ms / s for p, ms in base.items()}
             ratios = {f"{p} x flash": "-" if oom else s for p in base}
+            tflops = {"fwd+bwd TFLOP/s": "-" if oom else 100 * s * d / 128}
             rows.append({"batch*heads": bh, "T": t, "d": d, "dtype": "bfloat16", "causal": True, "impl": impl,
-                         **cells, **ratios})
+                         **cells, **ratios, **tflops})
     return pd.DataFrame(rows)
 
 
@@ -100,6 +101,7 @@ DDP_STEPS = {("single", None): 100.0, ("naive", None): 140.0, ("flat", None): 12
 
 def ddp_rows() -> pd.DataFrame:
     return pd.DataFrame([{"strategy": s, "bucket MiB": b if b else "", "ranks": 1 if s == "single" else 2,
+                          "buckets": max(1, round(8000 / b)) if s == "bucketed" else "",
                           "step ms": ms, "step std": 2.0, "exposed comm ms": ms - 100.0, "exposed std": 2.8,
                           "x single": ms / 100.0} for (s, b), ms in DDP_STEPS.items()])
 
@@ -229,6 +231,7 @@ def test_flash_statements(gpu_report):
     assert "Triton over SDPA flash, bfloat16, T >= 1024 (geometric mean): fwd 1.25x" in text
     assert "naive: dtype=bfloat16, d=64: from T = 8192" in text
     assert "Shape 16x16384x64 bfloat16, fwd+bwd: triton" in text
+    assert "Best fwd+bwd throughput, bfloat16: triton 125 TFLOP/s (T=1024, d=128), sdpa-flash 100" in text
 
 
 def test_allreduce_fit_recovers_latency_and_bandwidth(gpu_report):
@@ -244,7 +247,7 @@ def test_allreduce_fit_recovers_latency_and_bandwidth(gpu_report):
 
 def test_ddp_statements(gpu_report):
     text = section(gpu_report[0], title_of("ddp"))
-    assert "Fastest data-parallel: bucketed (100 MiB) 104 ms (1.040x single)" in text
+    assert "Fastest data-parallel: bucketed (100 MiB, 80 buckets) 104 ms (1.040x single)" in text
     assert "slowest: naive 140 ms (1.400x)" in text
     assert "meets the 1.10x goal); -3.7% against torch DDP, same run." in text
     assert "the bucket model predicts" in text  # from the allreduce fit on the same device
@@ -265,6 +268,13 @@ def test_main_writes_the_report_where_asked(tmp_path, accounting_results):
     regenerate = "Regenerate with `python -m benchmarks.accounting --ddp-size tiny`"
     assert regenerate in section(text, title_of("accounting"))
     assert (out.parent / "accounting_fsdp_memory.png").stat().st_size > 10_000
+
+
+def test_no_save_prints_the_report_and_writes_nothing(tmp_path, accounting_results, capsys):
+    out = tmp_path / "docs" / "report.md"
+    main(["--results-dir", str(accounting_results), "--out", str(out), "--no-save"])
+    assert "## Memory and communication accounting" in capsys.readouterr().out
+    assert not out.parent.exists()
 
 
 def test_precision_names_the_least_and_most_accurate_sum(tmp_path):

@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 import shutil
+import tempfile
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import pandas as pd  # noqa: E402
 
 from benchmarks.common import OOM, console, make_parser, parse_args, read_results  # noqa: E402
 
-TOUR_ARGS: list[str] = []
+TOUR_ARGS: list[str] = ["--out", "out/tour/docs/report.md"]  # never over the committed docs/report.md
 NOT_GPU = {"cpu", "analytic"}
 MAX_TABLE_ROWS = 60
 
@@ -789,13 +790,28 @@ def flash_section(ctx: Context, f: ResultFile) -> list[str]:
                              "(geometric mean): " + "; ".join(parts) + ".")
     ooms = [f"{impl}: {'; '.join(found)}" for impl, rows in df.groupby("impl", sort=False)
             if (found := first_oom(rows, f"{main_pass} ms", "T", ["dtype", "d"]))]
-    lines.append("- Out of memory: " + " | ".join(ooms) + "." if ooms else "- No cell ran out of memory.")
+    lines.append(f"- Out of memory: {' | '.join(ooms)}." if ooms else "- No cell ran out of memory.")
+    lines += flash_peak_throughput(sweep, main_pass)
     for key, rows in extra.groupby(["batch*heads", "T", "d", "dtype"], sort=False):
         times = rows.assign(ms=numeric(rows[f"{main_pass} ms"])).dropna(subset=["ms"]).sort_values("ms")
         if len(times):
             lines.append(f"- Shape {key[0]}x{key[1]}x{key[2]} {key[3]}, {main_pass}: "
                          + ", ".join(f"{r.impl} {r.ms:.3g} ms" for r in times.itertuples()) + ".")
     lines += ["", flash_speedup_plot(ctx, df, sweep, passes), flash_time_plot(ctx, sweep, main_pass)]
+    return lines
+
+
+def flash_peak_throughput(sweep: pd.DataFrame, p: str) -> list[str]:
+    """Each implementation's best TFLOP/s in one pass, per dtype."""
+    column = f"{p} TFLOP/s"
+    if column not in sweep:
+        return []
+    lines = []
+    for dtype, rows in sweep.assign(tflops=numeric(sweep[column])).dropna(subset=["tflops"]).groupby("dtype"):
+        best = rows.loc[rows.groupby("impl", sort=False)["tflops"].idxmax()]
+        best = best.sort_values("tflops", ascending=False)
+        lines.append(f"- Best {p} throughput, {dtype}: " + ", ".join(
+            f"{r.impl} {r.tflops:.3g} TFLOP/s (T={g(r.T)}, d={g(r.d)})" for r in best.itertuples()) + ".")
     return lines
 
 
@@ -910,9 +926,18 @@ def allreduce_plot(ctx: Context, df: pd.DataFrame) -> str:
 # --- ddp ------------------------------------------------------------------------------------------
 
 def ddp_labels(df: pd.DataFrame) -> pd.Series:
-    bucket = numeric(df["bucket MiB"]) if "bucket MiB" in df else pd.Series(math.nan, index=df.index)
-    return pd.Series([f"{s} ({b:g} MiB)" if s == "bucketed" and not math.isnan(b) else str(s)
-                      for s, b in zip(df["strategy"], bucket, strict=True)], index=df.index)
+    """'naive', 'bucketed (25 MiB)', or 'bucketed (25 MiB, 7 buckets)' when the count is recorded."""
+    def column(name: str) -> pd.Series:
+        return numeric(df[name]) if name in df else pd.Series(math.nan, index=df.index)
+
+    labels = []
+    for strategy, size, count in zip(df["strategy"], column("bucket MiB"), column("buckets"), strict=True):
+        if strategy != "bucketed" or math.isnan(size):
+            labels.append(str(strategy))
+        else:
+            buckets = "" if math.isnan(count) else f", {count:g} buckets"
+            labels.append(f"bucketed ({size:g} MiB{buckets})")
+    return pd.Series(labels, index=df.index)
 
 
 def render_ddp(ctx: Context) -> list[str]:
@@ -1208,6 +1233,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.results_dir.is_dir():
         console.print(f"[yellow]--results-dir {args.results_dir} does not exist: every section will say "
                       "'not measured yet'[/yellow]")
+    if args.no_save:  # build it where it harms nothing, show the text
+        with tempfile.TemporaryDirectory() as scratch:
+            path, _ = build_report(args.results_dir, Path(scratch) / args.out.name)
+            console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
+        return
     path, plots = build_report(args.results_dir, args.out)
     console.print(f"wrote {path} and {len(plots)} plot(s)")
 
