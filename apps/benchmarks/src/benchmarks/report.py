@@ -572,9 +572,11 @@ def kernel_summary_findings(df: pd.DataFrame) -> list[str]:
     lines = []
     for key, rows in df.groupby(keys, sort=False) if keys else [((), df)]:
         key = key if isinstance(key, tuple) else (key,)
-        shares = ", ".join(f"{float(m):.0f}% of {p}" for p, m in zip(rows["phase"], numeric(rows["matmul %"]),
-                                                                       strict=True) if not math.isnan(m))
-        lines.append(f"- {' '.join(map(str, key))}: matrix multiplies take {shares} kernel time.")
+        pairs = zip(rows["phase"], numeric(rows["matmul %"]), strict=True)
+        shares = ", ".join(f"{m:.0f}% of {p}" for p, m in pairs if not math.isnan(m))
+        label = ", ".join(f"context {v}" if k == "context" else str(v)
+                          for k, v in zip(keys, key, strict=True))
+        lines.append(f"- {label}: matrix multiplies take {shares} kernel time.")
     return lines
 
 
@@ -584,8 +586,10 @@ def top_kernels(ctx: Context, f: ResultFile, per_phase: int = 5) -> list[str]:
     share = find_column(df, "Time (%)", "Time %")
     if phase is None or name is None or share is None:
         return ctx.table(f)
-    top = (df.assign(_share=numeric(df[share])).sort_values("_share", ascending=False)
-           .groupby(phase, sort=False).head(per_phase).drop(columns="_share"))
+    order = {p: i for i, p in enumerate(dict.fromkeys(df[phase]))}  # phases in the table's own order
+    top = (df.assign(_share=numeric(df[share]), _phase=df[phase].map(order))
+           .sort_values(["_phase", "_share"], ascending=[True, False])
+           .groupby(phase, sort=False).head(per_phase).drop(columns=["_share", "_phase"]))
     top = top.assign(**{name: top[name].map(shorten)})
     keep = [c for c in (phase, share, find_column(df, "Total Time"), find_column(df, "Instances"),
                         find_column(df, "Avg"), name) if c]
