@@ -186,7 +186,8 @@ def test_every_section_is_measured_and_plotted(gpu_report):
             assert "Not measured yet" not in section(text, s.title), s.key
     names = {p.name for p in plots}
     assert {"e2e_train.png", "attention.png", "flash_speedup.png", "flash_time.png", "ddp_step_time.png",
-            "allreduce_bandwidth.png", "shardopt_memory.png", "memory_2.7B_ctx128_fp32_naive.png"} <= names
+            "allreduce_bandwidth.png", "shardopt_memory.png",
+            "e2e_train_memory_2.7B_ctx128_fp32_naive.png"} <= names
     for p in plots:
         assert p.is_file() and p.stat().st_size > 0
         assert f"]({p.name})" in text
@@ -214,7 +215,7 @@ def test_memory_section_shows_the_timeline_and_peaks(gpu_report):
     text = section(gpu_report[0], title_of("memory"))
     assert "Highest per-phase peak: backward at 55.00 GiB" in text
     assert "Peak active memory on the timeline: 56.50 GiB" in text
-    assert "(memory_2.7B_ctx128_fp32_naive.png)" in text
+    assert "(e2e_train_memory_2.7B_ctx128_fp32_naive.png)" in text
 
 
 def test_attention_statements(gpu_report):

@@ -95,7 +95,7 @@ def missing_note(what: str, missing: Iterable[str]) -> str:
     return f"_{what}: not possible, the results lack {', '.join(missing)}._"
 
 
-def fmt(value: float, digits: int = 3) -> str:
+def in_prose(value: float, digits: int = 3) -> str:
     """A number for prose: 3 significant digits, thousands separators for big ones."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
@@ -115,7 +115,7 @@ def settings(f: ResultFile) -> dict[str, str]:
     return {k: v for k, v in f.meta.items() if k not in STANDARD_METADATA and len(v) < 80}
 
 
-def g(value: object) -> str:
+def plain(value: object) -> str:
     """A table value for prose: 64.0 -> '64', 'bf16' -> 'bf16'."""
     try:
         return f"{float(value):g}"
@@ -204,10 +204,11 @@ def render_precision(ctx: Context) -> list[str]:
             error = (numeric(df["sum"]) - 10.0).abs()
             label = df["accumulator"].astype(str) + " accumulator, " + df["addend"].astype(str) + " addends"
             best, worst = error.idxmin(), error.idxmax()
+            sums = numeric(df["sum"])
             lines.append(
-                f"- Closest to 10: {label[best]} (sum {fmt(numeric(df['sum'])[best], 6)}, error "
-                f"{error[best]:.2g}). Farthest: {label[worst]} (sum {fmt(numeric(df['sum'])[worst], 6)}, "
-                f"error {error[worst]:.2g}), {error[worst] / max(error[best], 1e-300):,.0f}x the error.")
+                f"- Closest to 10: {label[best]} (sum {in_prose(sums[best], 6)}, error {error[best]:.2g}). "
+                f"Farthest: {label[worst]} (sum {in_prose(sums[worst], 6)}, error {error[worst]:.2g}), "
+                f"{error[worst] / max(error[best], 1e-300):,.0f}x the error.")
             fp32_acc = df["accumulator"].astype(str).eq("float32")
             low_addend = df["addend"].astype(str).str.startswith("float16")
             if (fp32_acc & low_addend).any():
@@ -278,12 +279,12 @@ def render_accounting(ctx: Context) -> list[str]:
 def _memory_findings(mem: dict[str, float]) -> list[str]:
     if not {"S", "S/H100", "a"} <= mem.keys():
         return [missing_note("The summary", ["S", "S/H100", "a"])]
-    lines = [f"- The training state alone is {fmt(mem['S'])} GB, {mem['S/H100']:.1f} H100-80GB's worth; "
+    lines = [f"- The training state alone is {in_prose(mem['S'])} GB, {mem['S/H100']:.1f} H100-80GB's worth; "
              f"every token of a step adds {mem['a']:.3g} MB of saved activations."]
     for t in _tokens_of(mem, "A"):
         acts = mem[f"A(T={t})"]
-        lines.append(f"  - {t:,} tokens: {fmt(acts)} GB of activations "
-                     f"({acts / (mem['S'] + acts):.1%} of the {fmt(mem['S'] + acts)} GB total).")
+        lines.append(f"  - {t:,} tokens: {in_prose(acts)} GB of activations "
+                     f"({acts / (mem['S'] + acts):.1%} of the {in_prose(mem['S'] + acts)} GB total).")
     return lines
 
 
@@ -298,7 +299,7 @@ def _fsdp_findings(ctx: Context, fs: dict[str, float], mem: dict[str, float],
         if math.isnan(n):
             half = mem.get(f"A(T={t})", float("nan")) / 2
             lines.append(f"- {what}: no N fits under {cap}: the unsharded half of the activations "
-                         f"({fmt(half)} GB) exceeds it on every device.")
+                         f"({in_prose(half)} GB) exceeds it on every device.")
         else:
             lines.append(f"- {what}: at least **{int(n)}** devices ({fs[f'M_N(T={t})']:.3f} GB each).")
     plot = fsdp_memory_plot(ctx, mem, fs, capacity)
@@ -315,11 +316,11 @@ def _tpu_findings(tp: dict[str, float], const: dict[str, str]) -> list[str]:
     binding, other = ("FSDP weight gathers", "T_tp") if fsdp_binds else ("TP activation comms", "T_fsdp")
     return [
         f"- With X = {const.get('X', '?')} (FSDP) and Y = {const.get('Y', '?')} (TP), the forward is "
-        f"compute-bound above **{tp['B/N']:.4g} tokens per chip**, an overall batch of **{fmt(tp['B'])} "
+        f"compute-bound above **{tp['B/N']:.4g} tokens per chip**, an overall batch of **{in_prose(tp['B'])} "
         f"tokens** over {int(tp['N'])} chips. The {binding} bind; the other comms take "
         f"{tp[other] / tp['T_math']:.0%} of the matmul time there.",
         f"- The comms-optimal FSDP degree at that batch is X = {tp['X_opt']:.1f}; with the best split for "
-        f"each batch the floor is {tp['(B/N)_min']:.3g} tokens per chip ({fmt(tp['B_min'])} overall).",
+        f"each batch the floor is {tp['(B/N)_min']:.3g} tokens per chip ({in_prose(tp['B_min'])} overall).",
     ]
 
 
@@ -330,7 +331,7 @@ def _ddp_findings(ctx: Context, dd: dict[str, float], const: dict[str, str]) -> 
     lines = []
     for us in overheads:
         best = dd[f"t*(o={us}us)"]
-        lines.append(f"- o = {us} µs: best bucket {fmt(dd[f'size*(o={us}us)'])} MB "
+        lines.append(f"- o = {us} µs: best bucket {in_prose(dd[f'size*(o={us}us)'])} MB "
                      f"({dd[f'n_int(o={us}us)']:.0f} buckets), exposing {best:.3g} ms against "
                      f"{dd['t_1']:.3g} ms for a single bucket ({dd['t_1'] / best:.0f}x less).")
     plot = bucket_model_plot(ctx, dd, const, overheads)
@@ -442,8 +443,8 @@ def first_oom(df: pd.DataFrame, value: str, along: str, by: list[str]) -> list[s
         if rows.empty:
             continue
         key = key if isinstance(key, tuple) else (key,)
-        label = ", ".join(f"{k}={g(v)}" for k, v in zip(by, key, strict=True))
-        found.append(f"{label + ': ' if label else ''}from {along} = {g(numeric(rows[along]).min())}")
+        label = ", ".join(f"{k}={plain(v)}" for k, v in zip(by, key, strict=True))
+        found.append(f"{label + ': ' if label else ''}from {along} = {plain(numeric(rows[along]).min())}")
     return found
 
 
@@ -496,9 +497,9 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
     lines = []
     if "tokens/s" in df.columns and numeric(df["tokens/s"]).notna().any():
         best = df.loc[numeric(df["tokens/s"]).idxmax()]
-        lines.append(f"- Highest throughput: {best['size']} at context {best['context']}"
-                     + "".join(f", {best[c]}" for c in variants)
-                     + f": {fmt(float(best['tokens/s']))} tokens/s ({float(best['step']):.4g} ms per step).")
+        which = "".join(f", {best[c]}" for c in variants)
+        lines.append(f"- Highest throughput: {best['size']} at context {best['context']}{which}: "
+                     f"{in_prose(float(best['tokens/s']))} tokens/s ({float(best['step']):.4g} ms per step).")
     if "MFU %" in df.columns and numeric(df["MFU %"]).notna().any():
         mfu = numeric(df["MFU %"])
         best = df.loc[mfu.idxmax()]
@@ -556,7 +557,7 @@ def e2e_plot(ctx: Context, f: ResultFile, df: pd.DataFrame, variants: list[str])
             continue
         label = " ".join(map(str, key))
         if is_oom(rows["step ms"]).any():
-            label += f" (OOM from {g(numeric(rows.loc[is_oom(rows['step ms']), 'context']).min())})"
+            label += f" (OOM from {plain(numeric(rows.loc[is_oom(rows['step ms']), 'context']).min())})"
         ax.plot(numeric(ok["context"]), ok["step"], ls, marker="o", ms=4, color=colors[sizes.index(size)],
                 label=label)
     style(ax, "context length (tokens)", "step time (ms)",
@@ -602,8 +603,9 @@ def render_memory(ctx: Context) -> list[str]:
     lines: list[str] = []
     peaks: dict[str, pd.Series] = {}
     for f in ctx.files:
-        tag = f.name.split("_memory_", 1)[1]
-        lines += ctx.table(f, f"Peak memory per phase: {tag}")
+        run, tag = f.name.split("_memory_", 1)  # e2e_<mode> (or --name) and the configuration's tag
+        label = f"{f.meta.get('mode', run)}, {tag}"
+        lines += ctx.table(f, f"Peak memory per phase: {label}")
         df = f.df
         peak_col = find_column(df, "peak allocated")
         if peak_col is None or "phase" not in df.columns:
@@ -612,7 +614,7 @@ def render_memory(ctx: Context) -> list[str]:
             values = numeric(df[peak_col])
             steps = df[df["step"].astype(str) != "all"] if "step" in df else df
             by_phase = numeric(steps[peak_col]).groupby(steps["phase"], sort=False).max()
-            peaks[tag] = by_phase
+            peaks[label] = by_phase
             if len(by_phase):
                 lines.append(f"- Highest per-phase peak: {by_phase.idxmax()} at {by_phase.max():.2f} GiB; "
                              + ", ".join(f"{p} {v:.2f} GiB" for p, v in by_phase.items()) + ".")
@@ -621,13 +623,13 @@ def render_memory(ctx: Context) -> list[str]:
                 lines.append(f"- Peak active memory on the timeline: {values[timeline.index[0]]:.2f} GiB.")
         png = find_memory_png(f, tag)
         if png is None:
-            lines.append(f"- _No timeline PNG found for {tag}: put the PNG that `--memory` writes beside the "
-                         f"results ({ctx.link(f.path.parent)}) to show it here._")
+            lines.append(f"- _No timeline PNG found for {label}: put the PNG that `--memory` writes beside "
+                         f"the results ({ctx.link(f.path.parent)}) to show it here._")
         else:
-            copy = ctx.out_dir / f"memory_{tag}.png"
+            copy = ctx.out_dir / f"{f.name}.png"
             shutil.copyfile(png, copy)
             ctx.plots.append(copy)
-            lines += ["", f"![memory timeline, {tag}]({ctx.link(copy)})"]
+            lines += ["", f"![memory timeline, {label}]({ctx.link(copy)})"]
         lines.append("")
     if len(peaks) > 1:
         lines.append(memory_peaks_plot(ctx, peaks))
@@ -650,10 +652,16 @@ def find_memory_png(f: ResultFile, tag: str) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
+PHASE_ORDER = ["forward", "backward", "optimizer"]
+
+
 def memory_peaks_plot(ctx: Context, peaks: dict[str, pd.Series]) -> str:
     table = pd.DataFrame(peaks).T
+    phases = list(dict.fromkeys(p for series in peaks.values() for p in series.index))
+    order = sorted(phases, key=lambda p: (PHASE_ORDER.index(p) if p in PHASE_ORDER else len(PHASE_ORDER)))
+    table = table[order].rename(index=lambda label: label.replace(", ", "\n", 1))
     fig, (ax,) = axes()
-    table.plot.bar(ax=ax, rot=20)
+    table.plot.bar(ax=ax, rot=0)
     style(ax, "", "peak allocated (GiB)", "Peak memory per phase", logx=False, logy=False)
     return ctx.figure("memory_peaks", fig, "peak memory per phase and configuration")
 
@@ -686,7 +694,7 @@ def attention_findings(ctx: Context, f: ResultFile) -> list[str]:
                     top = df.loc[ratio.idxmax()]
                     lines.append(f"- {'Forward' if p == 'fwd' else 'Backward'}: {compiled} is "
                                  f"{ratio.median():.2f}x the speed of eager (median; {ratio.min():.2f}x to "
-                                 f"{ratio.max():.2f}x, best at d={g(top['d'])}, T={g(top['T'])}).")
+                                 f"{ratio.max():.2f}x, best at d={plain(top['d'])}, T={plain(top['T'])}).")
     t_from = numeric(df["T"]).median()
     long = df[numeric(df["T"]) >= t_from]
     for v in variants:
@@ -788,7 +796,7 @@ def flash_section(ctx: Context, f: ResultFile) -> list[str]:
                     if len(values):
                         best = long.loc[values.idxmax()]
                         parts.append(f"{p} {geomean(values):.2f}x (best {values.max():.2f}x at "
-                                     f"T={g(best['T'])}, d={g(best['d'])})")
+                                     f"T={plain(best['T'])}, d={plain(best['d'])})")
             if parts:
                 lines.append(f"- Triton over SDPA {base}, {dtype}, T >= {numeric(long['T']).min():.0f} "
                              "(geometric mean): " + "; ".join(parts) + ".")
@@ -814,8 +822,9 @@ def flash_peak_throughput(sweep: pd.DataFrame, p: str) -> list[str]:
     for dtype, rows in sweep.assign(tflops=numeric(sweep[column])).dropna(subset=["tflops"]).groupby("dtype"):
         best = rows.loc[rows.groupby("impl", sort=False)["tflops"].idxmax()]
         best = best.sort_values("tflops", ascending=False)
-        lines.append(f"- Best {p} throughput, {dtype}: " + ", ".join(
-            f"{r.impl} {r.tflops:.3g} TFLOP/s (T={g(r.T)}, d={g(r.d)})" for r in best.itertuples()) + ".")
+        each = ", ".join(f"{r.impl} {r.tflops:.3g} TFLOP/s (T={plain(r.T)}, d={plain(r.d)})"
+                         for r in best.itertuples())
+        lines.append(f"- Best {p} throughput, {dtype}: {each}.")
     return lines
 
 
@@ -892,8 +901,8 @@ def render_allreduce(ctx: Context) -> list[str]:
         bus = numeric(df["bus GB/s"])
         for backend, rows in df.assign(bus=bus).groupby("backend", sort=False):
             best = rows.loc[rows["bus"].idxmax()]
-            lines.append(f"- {backend}: peak bus bandwidth {best['bus']:.3g} GB/s at {g(best['size (MiB)'])} "
-                         f"MiB over {best['world size']} ranks.")
+            lines.append(f"- {backend}: peak bus bandwidth {best['bus']:.3g} GB/s at "
+                         f"{plain(best['size (MiB)'])} MiB over {best['world size']} ranks.")
             biggest = rows[numeric(rows["size (MiB)"]) == numeric(rows["size (MiB)"]).max()]
             if biggest["world size"].nunique() > 1:
                 lines.append(f"  - at {biggest['size (MiB)'].iloc[0]} MiB by world size: "
@@ -1080,14 +1089,14 @@ def shardopt_memory_findings(ctx: Context, df: pd.DataFrame) -> list[str]:
     if base:
         for name, mb in state.items():
             if name != base:
-                lines.append(f"- Optimizer state per rank after the step: {name} {fmt(mb, 4)} MB, "
-                             f"{state[base] / mb:.2f}x less than {base} ({fmt(state[base], 4)} MB).")
+                lines.append(f"- Optimizer state per rank after the step: {name} {in_prose(mb, 4)} MB, "
+                             f"{state[base] / mb:.2f}x less than {base} ({in_prose(state[base], 4)} MB).")
     if "peak_MB" in df:
         peak = numeric(df.set_index(["optimizer", "phase"])["peak_MB"]).dropna()
         if len(peak):
             top = peak.groupby(level=0).max()
             lines.append("- Peak memory per rank over the iteration: "
-                         + ", ".join(f"{k} {fmt(v, 4)} MB" for k, v in top.items()) + ".")
+                         + ", ".join(f"{k} {in_prose(v, 4)} MB" for k, v in top.items()) + ".")
     return lines + ["", shardopt_plot(ctx, df)]
 
 
@@ -1166,9 +1175,12 @@ def metadata_lines(ctx: Context, other_devices: list[str]) -> list[str]:
     first = files[0].meta
     shown = " and ".join(f"`{c}`" for c in commands) or "(no command recorded)"
     lines = [f"Regenerate with {shown}.", ""]
-    facts = [f"device **{first.get('device', files[0].device)}**"]
-    facts += [f"{key} {first[key]}" for key in ("gpu_count", "torch", "triton", "date") if first.get(key)]
-    lines.append("Measured on " + ", ".join(facts) + ".")
+    if files[0].device == "analytic":
+        lines.append(f"Computed from formulas, no device involved ({first.get('date', 'undated')}).")
+    else:
+        facts = [f"device **{first.get('device', files[0].device)}**"]
+        facts += [f"{key} {first[key]}" for key in ("gpu_count", "torch", "triton", "date") if first.get(key)]
+        lines.append("Measured on " + ", ".join(facts) + ".")
     if ctx.shared_settings:
         lines.append("Settings: " + "; ".join(f"{k} {v}" for k, v in ctx.shared_settings.items()) + ".")
     if other_devices:
