@@ -83,7 +83,8 @@ def assert_equal_state_dicts(got: dict, expected: dict) -> None:
         assert state.keys() == got["state"][index].keys()
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                assert torch.equal(value, got["state"][index][key]), f"state[{index}][{key!r}] differs"
+                # consolidate_state_dict returns CPU copies; compare values, not devices.
+                assert torch.equal(value.cpu(), got["state"][index][key].cpu()), f"state[{index}][{key!r}] differs"
             else:
                 assert value == got["state"][index][key]
 
