@@ -415,6 +415,11 @@ def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True,
         ax.yaxis.set_major_formatter(plain_log_ticks)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(True, which="both", alpha=0.3)
+    xs = sorted({x for line in ax.get_lines() for x in line.get_xdata() if x > 0 and math.isfinite(x)})
+    if logx and 0 < len(xs) <= 12:  # few measured sizes: tick exactly those
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        logx = False  # ticks are set: leave the minor formatter alone
     for axis, limits, log in ((ax.xaxis, ax.get_xlim(), logx), (ax.yaxis, ax.get_ylim(), logy)):
         # label the minor ticks only where the axis spans less than a decade or so: 200, 300, ...
         if log and limits[0] > 0:
@@ -857,7 +862,9 @@ def flash_time_plot(ctx: Context, sweep: pd.DataFrame, p: str) -> str:
     fig, (ax,) = axes()
     t = digest.columns[0]
     for impl in digest.columns[1:]:
-        ax.plot(digest[t], numeric(digest[impl]), marker="o", ms=3, label=impl)
+        times = numeric(digest[impl])
+        if times.notna().any():  # an implementation that does not run here gets no legend entry
+            ax.plot(digest[t], times, marker="o", ms=3, label=impl)
     style(ax, "sequence length T", f"{p} time (ms)", t.removeprefix("T "), base_x=2)
     return ctx.figure("flash_time", fig, "attention implementations: time against sequence length")
 
