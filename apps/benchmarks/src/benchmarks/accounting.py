@@ -349,7 +349,10 @@ def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("accounting", __doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int_list, default=[1024, 4096, 8192, 16384],
+    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
+    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser.add_argument("--tokens", type=int_list, default="1024,4096,8192,16384",
                         help="tokens per step (batch x context) for the activation memory")
     parser.add_argument("--h100-gb", type=_positive(float), default=80.0, help="memory of one H100, GB")
     parser.add_argument("--capacity-gb", type=_positive(float), default=95.0,
@@ -358,14 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh-tensor", type=_positive(int), default=4, help="Y: tensor-parallel degree")
     parser.add_argument("--fsdp-axes", type=_positive(int), default=2, help="M_X: mesh axes used by FSDP")
     parser.add_argument("--tensor-axes", type=_positive(int), default=1, help="M_Y: mesh axes used by TP")
-    parser.add_argument("--flops", type=_positive(float), default=4.59e14, help="C: bf16 FLOP/s per chip")
-    parser.add_argument("--ici-bandwidth", type=_positive(float), default=1.8e11,
+    parser.add_argument("--flops", type=_positive(float), default="4.59e14", help="C: bf16 FLOP/s per chip")
+    parser.add_argument("--ici-bandwidth", type=_positive(float), default="1.8e11",
                         help="W_ici: bidirectional ICI bytes/s per link")
     parser.add_argument("--ddp-size", choices=list(MODEL_SIZES), default="xl",
                         help="reference model whose fp32 gradients the DDP bucket model all-reduces")
     parser.add_argument("--ddp-bandwidth-gbps", type=_positive(float), default=329.0,
                         help="w: all-reduce bandwidth, GB/s")
-    parser.add_argument("--ddp-overhead-us", type=int_list, default=[10, 50, 200],
+    parser.add_argument("--ddp-overhead-us", type=int_list, default="10,50,200",
                         help="o: per-all-reduce overheads to evaluate, microseconds")
     return parser
 

@@ -9,6 +9,7 @@ gets a line saying which command to run. Needs no GPU.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import shlex
@@ -1250,6 +1251,14 @@ def _anchor(title: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser("report", __doc__.splitlines()[0])
+    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
+    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
+                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    for action in parser._actions:  # the shared options, read here rather than written
+        if action.dest == "results_dir":
+            action.help = "read every <results-dir>/<device>/<name>.csv"
+        elif action.dest == "no_save":
+            action.help = "print the report instead of writing it and its plots"
     parser.add_argument("--out", type=Path, default=Path("docs/report.md"),
                         help="the report; plots are written beside it")
     args = parse_args(parser, argv)
