@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashattn_triton import FlashAttentionTorch, FlashAttentionTriton, flash_attention, triton_impl
-from flashattn_triton._configs import ForwardConfig
+from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton.torch_impl import _backward_key_tile, _CompiledOnCuda
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -133,13 +133,43 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
         torch.testing.assert_close(a, b)
 
 
-def test_config_too_big_for_shared_memory_steps_down(problem, check_close):
+def test_config_too_big_for_shared_memory_steps_down(problem):
     p = problem((1, 2), 512, 512, 128, torch.bfloat16, True, device="cuda")
     huge = ForwardConfig(256, 256, 8, 4)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 128**-0.5, config=huge)
     p.assert_close({"out": out, "lse": lse})
     fitted = triton_impl._fitted[("fwd", p.q.device, 128, torch.bfloat16, True, huge)]
     assert fitted != huge
+
+
+BACKWARD_VARIANTS = [
+    BackwardConfig(32, 128, 8, 2, atomic_dq=True),
+    BackwardConfig(64, 64, 4, 2, atomic_dq=True),
+    BackwardConfig(64, 32, 4, 2),
+    BackwardConfig(16, 64, 4, 3),
+]
+
+
+@pytest.mark.parametrize("config", BACKWARD_VARIANTS, ids=str)
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.float16, 128)])
+def test_backward_variants(problem, config, dtype, head_dim):
+    """dQ by atomics, and steps wider than the program's own tiles, on ragged causal problems."""
+    p = problem((2, 3), 333, 290, head_dim, dtype, True, device="cuda")
+    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, head_dim**-0.5)
+    grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, head_dim**-0.5, config)
+    p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_device_side_descriptors(problem, monkeypatch, dtype):
+    """The path of GPUs older than Hopper, here on Hopper: the kernels build their descriptors (TMA in
+    scratch memory from triton.set_allocator) from pointers to contiguous copies."""
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+    p = problem((2, 2), 300, 200, 64, dtype, True, device="cuda", layout="transposed")
+    q, k, v = p.inputs()
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    out.backward(p.grad_out)
+    p.check(out, q, k, v)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])

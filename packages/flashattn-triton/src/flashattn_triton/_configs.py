@@ -29,26 +29,24 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """dK/dV: key tiles of block_n1 rows over query tiles of block_m1; dQ: query tiles of block_m2 rows
-    over key tiles of block_n2 (block_n1 == block_m2 keeps causal programs equally loaded), or with
-    atomic_dq dQ added up atomically from the dK/dV loop (block_m2, block_n2 unused)."""
+    """Each program owns block_n keys and block_n queries; for dK/dV it steps through the queries
+    block_m at a time, for dQ through the keys. With atomic_dq, dQ is instead added up atomically from
+    the dK/dV loop."""
 
-    block_m1: int
-    block_n1: int
-    block_m2: int
-    block_n2: int
+    block_m: int
+    block_n: int
     num_warps: int
     num_stages: int
     atomic_dq: bool = False
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
-        _check_blocks(self, ["block_m1", "block_n1", "block_m2", "block_n2"], 128)
+        _check_blocks(self, ["block_m", "block_n"], 128)
 
 
 # Small tiles for the interpreter: several tiles per test problem, so every mask path runs.
 INTERPRETER_FORWARD = ForwardConfig(32, 16, 4, 1)
-INTERPRETER_BACKWARD = BackwardConfig(16, 32, 32, 16, 4, 1)
+INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 
 # (block_d, bytes per element) -> config; causal and non-causal share one entry unless measured apart.
 _FORWARD = {
@@ -60,20 +58,20 @@ _FORWARD = {
     (16, 4): ForwardConfig(64, 64, 4, 2),
     (32, 4): ForwardConfig(64, 64, 4, 2),
     (64, 4): ForwardConfig(64, 32, 4, 2),
-    (128, 4): ForwardConfig(64, 32, 4, 2),
+    (128, 4): ForwardConfig(64, 32, 8, 2),
     (256, 4): ForwardConfig(32, 32, 4, 1),
 }
 _BACKWARD = {
-    (16, 2): BackwardConfig(32, 128, 128, 32, 4, 3),
-    (32, 2): BackwardConfig(32, 128, 128, 32, 4, 3),
-    (64, 2): BackwardConfig(32, 128, 128, 32, 4, 3),
-    (128, 2): BackwardConfig(64, 128, 128, 64, 8, 2),
-    (256, 2): BackwardConfig(16, 64, 64, 16, 8, 1),
-    (16, 4): BackwardConfig(32, 64, 64, 32, 4, 2),
-    (32, 4): BackwardConfig(32, 64, 64, 32, 4, 2),
-    (64, 4): BackwardConfig(32, 64, 64, 32, 4, 2),
-    (128, 4): BackwardConfig(16, 64, 64, 16, 4, 1),
-    (256, 4): BackwardConfig(16, 32, 32, 16, 4, 1),
+    (16, 2): BackwardConfig(32, 128, 4, 3),
+    (32, 2): BackwardConfig(32, 128, 4, 3),
+    (64, 2): BackwardConfig(32, 128, 4, 3),
+    (128, 2): BackwardConfig(32, 128, 8, 2),
+    (256, 2): BackwardConfig(16, 64, 8, 1),
+    (16, 4): BackwardConfig(32, 64, 4, 2),
+    (32, 4): BackwardConfig(32, 64, 4, 2),
+    (64, 4): BackwardConfig(32, 128, 8, 2),
+    (128, 4): BackwardConfig(16, 64, 8, 1),
+    (256, 4): BackwardConfig(16, 32, 4, 1),
 }
 
 
@@ -89,18 +87,8 @@ def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardC
     """The next config down for a GPU with less shared memory: fewer stages, then smaller tiles."""
     if config.num_stages > 1:
         return replace(config, num_stages=config.num_stages - 1)
-    if isinstance(config, ForwardConfig):
-        if config.block_n > 16:
-            return replace(config, block_n=config.block_n // 2)
-        if config.block_m > 16:
-            return replace(config, block_m=config.block_m // 2)
-        return None
-    if config.block_n1 > 16:
-        return replace(
-            config,
-            block_m1=max(16, config.block_m1 // 2),
-            block_n1=config.block_n1 // 2,
-            block_m2=config.block_m2 // 2,
-            block_n2=max(16, config.block_n2 // 2),
-        )
+    if config.block_n > 16:
+        return replace(config, block_n=config.block_n // 2)
+    if config.block_m > 16:
+        return replace(config, block_m=config.block_m // 2)
     return None

@@ -1,9 +1,14 @@
 """The Triton kernels: FlashAttention-2 forward, the backward's D = rowsum(dO * O), and the backward.
 
-Layout: every tensor is seen as (Z, H, T, d) through its four strides, so batch/head views of any
-layout (a transposed (B, T, H, d), say) run without a copy. One program works on one tile of one
-(z, h); the grids are one-dimensional with the tile index varying fastest, so the programs of one
-head run together and share its K and V through L2.
+Tiles move through tensor descriptors over (Z, H, T, d) views: on Hopper and later they are TMA
+copies, which hold no addresses in registers and zero-fill (or, for stores, clip) whatever lies
+outside the tensor, so ragged sequence ends and a head dim padded up to BLOCK_D need no load masks.
+The host passes descriptors it built (Hopper and later, and the interpreter) or plain pointers to
+contiguous tensors, from which the kernels build device-side descriptors (older GPUs, where Triton
+lowers them to ordinary loads).
+
+One program works on one tile of one (z, h). The grids are one-dimensional with the tile index
+varying fastest, so the programs of one head run together and share its K and V through L2.
 
 Scores live in the log2 domain: ``qk_scale = scale * log2(e)`` folds the softmax scale and the
 change of base into one multiply, so the exponentials are ``exp2``. L is stored as the natural-log
@@ -12,8 +17,7 @@ logsumexp of the scaled scores (the public contract) and turned back into log2 w
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
 and the masked ones after, and causal tiles that are fully masked are never visited. Ragged query
-rows are handled by the loads (zeros in, nothing stored) and, in the backward, by reading their L as
-+inf so that their P is exactly 0.
+rows load as zeros, are never stored, and in the backward read L = +inf so that their P is exactly 0.
 """
 
 from __future__ import annotations
@@ -27,37 +31,28 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _load(
-    ptrs, rows, n_rows, cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, HEAD_DIM: tl.constexpr
-):
-    """A (rows, cols) tile; out-of-range rows (when CHECK_ROWS) and padded head dims read as 0."""
-    if CHECK_ROWS:
-        if CHECK_COLS:
-            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
-        else:
-            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+def _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """arg itself if the host passed a descriptor, else one over the contiguous (Z, H, T, d) at arg."""
+    if isinstance(arg, tl.tensor_descriptor):
+        return arg
     else:
-        if CHECK_COLS:
-            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    return tile
+        row = head_dim.to(tl.int64)
+        return tl.make_tensor_descriptor(
+            arg,
+            shape=[batch, heads, seqlen, head_dim],
+            strides=[heads * seqlen * row, seqlen * row, row, 1],
+            block_shape=[1, 1, BLOCK_T, BLOCK_D],
+        )
 
 
 @triton.jit
-def _store(
-    ptrs, tile, rows, n_rows, cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, HEAD_DIM: tl.constexpr
-):
-    if CHECK_ROWS:
-        if CHECK_COLS:
-            tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM))
-        else:
-            tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
-    else:
-        if CHECK_COLS:
-            tl.store(ptrs, tile, mask=cols[None, :] < HEAD_DIM)
-        else:
-            tl.store(ptrs, tile)
+def _load_tile(desc, z, h, row, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    return desc.load([z, h, row, 0]).reshape(BLOCK_T, BLOCK_D)
+
+
+@triton.jit
+def _store_tile(desc, z, h, row, tile, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    desc.store([z, h, row, 0], tile.reshape(1, 1, BLOCK_T, BLOCK_D))
 
 
 @triton.jit
@@ -71,37 +66,18 @@ def _load_rows(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 @triton.jit
 def _fwd_key_tiles(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_ptrs,
-    v_ptrs,
-    stride_kn,
-    stride_vn,
-    offs_m,
-    offs_n,
-    offs_d,
-    lo,
-    hi,
-    seqlen_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    KEY_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK say so."""
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
+    offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k = _load(k_ptrs, cols, seqlen_k, offs_d, KEY_MASK, not EVEN_D, HEAD_DIM)
+        k = _load_tile(k_desc, z, h, start_n, BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if CAUSAL_MASK or KEY_MASK:
+            cols = start_n + offs_n
             if CAUSAL_MASK:
                 visible = offs_m[:, None] >= cols[None, :]
                 if KEY_MASK:
@@ -118,67 +94,34 @@ def _fwd_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load(v_ptrs, cols, seqlen_k, offs_d, KEY_MASK, not EVEN_D, HEAD_DIM)
+        v = _load_tile(v_desc, z, h, start_n, BLOCK_N, BLOCK_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
 @triton.jit
 def attn_fwd(
-    Q,
-    K,
-    V,
-    Out,
-    L,
-    stride_qz,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kz,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vz,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_oz,
-    stride_oh,
-    stride_om,
-    stride_od,
-    num_heads,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    Q, K, V, Out, L, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,)."""
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     tile = pid % num_tiles
     bh = pid // num_tiles
     if CAUSAL:  # the last query tiles see the most keys: start them first
         tile = num_tiles - 1 - tile
-    z = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
+    z = bh // heads
+    h = bh % heads
+    q_desc = _descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
+    k_desc = _descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D)
+    v_desc = _descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D)
+    o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-
-    q_ptrs = Q + z * stride_qz + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = K + z * stride_kz + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + z * stride_vz + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    q = _load(q_ptrs, offs_m, seqlen_q, offs_d, True, not EVEN_D, HEAD_DIM)
+    q = _load_tile(q_desc, z, h, start_m, BLOCK_M, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -191,153 +134,62 @@ def attn_fwd(
         unmasked_end = (seqlen_k // BLOCK_N) * BLOCK_N
         masked_end = seqlen_k
     acc, l_i, m_i = _fwd_key_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_n,
-        offs_d,
-        0,
-        unmasked_end,
-        seqlen_k,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        False,
-        False,
-        EVEN_D,
-        INPUT_PRECISION,
-    )
+        acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, 0, unmasked_end, seqlen_k, qk_scale,
+        BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION,
+    )  # fmt: skip
     # The causal diagonal and the ragged end of the keys (empty for non-causal with full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        stride_kn,
-        stride_vn,
-        offs_m,
-        offs_n,
-        offs_d,
-        unmasked_end,
-        masked_end,
-        seqlen_k,
-        qk_scale,
-        HEAD_DIM,
-        BLOCK_N,
-        CAUSAL,
-        True,
-        EVEN_D,
-        INPUT_PRECISION,
-    )
+        acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, unmasked_end, masked_end, seqlen_k, qk_scale,
+        BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+    )  # fmt: skip
 
     lse = (m_i + tl.math.log2(l_i)) * _LN2
-    l_ptrs = L + bh.to(tl.int64) * seqlen_q + offs_m
-    tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
-    o_ptrs = Out + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    out = acc / l_i[:, None]
-    _store(o_ptrs, out.to(Out.dtype.element_ty), offs_m, seqlen_q, offs_d, True, not EVEN_D, HEAD_DIM)
+    tl.store(L + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    _store_tile(o_desc, z, h, start_m, (acc / l_i[:, None]).to(q.dtype), BLOCK_M, BLOCK_D)
 
 
 @triton.jit
 def attn_bwd_preprocess(
-    Out,
-    DO,
-    Delta,
-    stride_oz,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_doz,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    num_heads,
-    seqlen_q,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """Delta = rowsum(dO * O) in float32. Grid: (Z * H, query tiles)."""
+    Out, DO, Delta, stride_oz, stride_oh, stride_om, stride_dz, stride_dh, stride_dm,
+    heads, seqlen_q, head_dim,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Delta = rowsum(dO * O) in float32 (unit stride along d). Grid: (Z * H, query tiles)."""
     bh = tl.program_id(0)
-    z = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
+    z = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load(
-        Out + z * stride_oz + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-        offs_m,
-        seqlen_q,
-        offs_d,
-        True,
-        BLOCK_D != HEAD_DIM,
-        HEAD_DIM,
-    )
-    do = _load(
-        DO + z * stride_doz + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-        offs_m,
-        seqlen_q,
-        offs_d,
-        True,
-        BLOCK_D != HEAD_DIM,
-        HEAD_DIM,
-    )
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + z * stride_oz + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mask)
+    do = tl.load(DO + z * stride_dz + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=mask)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
 def _bwd_query_tiles(
-    dk,
-    dv,
-    k,
-    v,
-    q_ptrs,
-    do_ptrs,
-    l_ptrs,
-    delta_ptrs,
-    dq_acc_ptrs,
-    stride_qm,
-    stride_dom,
-    offs_n,
-    offs_d,
-    lo,
-    hi,
-    seqlen_q,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    ROW_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
+    dk, dv, k, v, q_desc, do_desc, z, h, l_ptrs, delta_ptrs, dq_acc_ptrs, offs_n, lo, hi, seqlen_q, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ, added atomically to a float32 buffer padded to whole tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
-    q_ptrs += lo * stride_qm
-    do_ptrs += lo * stride_dom
-    dq_acc_ptrs += lo * BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    dq_acc_ptrs += offs_m0[:, None] * BLOCK_D + offs_d[None, :]
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m0
-        q = _load(q_ptrs, rows, seqlen_q, offs_d, ROW_MASK, not EVEN_D, HEAD_DIM)
+        q = _load_tile(q_desc, z, h, start_m, BLOCK_M, BLOCK_D)
         # Rows past the end read L = +inf, so their P is exactly 0 and they add nothing.
         l2 = _load_rows(l_ptrs + rows, rows, seqlen_q, float("inf"), ROW_MASK) * _LOG2E
         qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - l2[None, :])
         if CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
-        do = _load(do_ptrs, rows, seqlen_q, offs_d, ROW_MASK, not EVEN_D, HEAD_DIM)
+        do = _load_tile(do_desc, z, h, start_m, BLOCK_M, BLOCK_D)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         delta = _load_rows(delta_ptrs + rows, rows, seqlen_q, 0.0, ROW_MASK)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -345,49 +197,26 @@ def _bwd_query_tiles(
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION)
-            tl.atomic_add(dq_acc_ptrs, dq, sem="relaxed")
-            dq_acc_ptrs += BLOCK_M * BLOCK_D
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+            tl.atomic_add(dq_acc_ptrs + start_m * BLOCK_D, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_key_tiles(
-    dq,
-    q,
-    do,
-    l2,
-    delta,
-    k_ptrs,
-    v_ptrs,
-    stride_kn,
-    stride_vn,
-    offs_m,
-    offs_d,
-    lo,
-    hi,
-    seqlen_k,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr,
-    KEY_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    dq, q, do, l2, delta, k_desc, v_desc, z, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     """dQ of one query tile, accumulated over the key tiles [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n0
-        k = _load(k_ptrs, cols, seqlen_k, offs_d, KEY_MASK, not EVEN_D, HEAD_DIM)
-        v = _load(v_ptrs, cols, seqlen_k, offs_d, KEY_MASK, not EVEN_D, HEAD_DIM)
+        k = _load_tile(k_desc, z, h, start_n, BLOCK_N, BLOCK_D)
+        v = _load_tile(v_desc, z, h, start_n, BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
         if CAUSAL_MASK or KEY_MASK:
+            cols = start_n + offs_n0
             if CAUSAL_MASK:
                 visible = offs_m[:, None] >= cols[None, :]
                 if KEY_MASK:
@@ -398,323 +227,108 @@ def _bwd_key_tiles(
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
 @triton.jit
 def attn_bwd(
-    Q,
-    K,
-    V,
-    DO,
-    L,
-    Delta,
-    DQ,
-    DK,
-    DV,
-    DQ_ACC,
-    stride_qz,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kz,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vz,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_doz,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dqz,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
-    stride_dkz,
-    stride_dkh,
-    stride_dkn,
-    stride_dkd,
-    stride_dvz,
-    stride_dvh,
-    stride_dvn,
-    stride_dvd,
-    num_heads,
-    seqlen_q,
-    seqlen_k,
-    dq_acc_rows,
-    qk_scale,
-    scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M1: tl.constexpr,
-    BLOCK_N1: tl.constexpr,
-    BLOCK_M2: tl.constexpr,
-    BLOCK_N2: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-):
-    """Program i of a head computes dK, dV of key tile i (BLOCK_N1 keys) and then dQ of query tile i
-    (BLOCK_M2 rows); no T x T tensor. Under causal masking key tile i has the most work when i is small
-    and query tile i when i is large, so with BLOCK_N1 == BLOCK_M2 every program does about the same
-    work. Grid: (max(key tiles, query tiles) * Z * H,).
+    Q_S, DO_S, K_S, V_S, Q_T, DO_T, K_T, V_T, DQ, DK, DV, L, Delta, DQ_ACC,
+    batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
+    dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
+    through the keys BLOCK_M at a time; no T x T tensor. Under causal masking key tile i has the most
+    work when i is small and query tile i when i is large, so every program does about the same work.
+    Grid: (max(key tiles, query tiles) * Z * H,).
 
     With ATOMIC_DQ the dK/dV loop also adds each dQ share into DQ_ACC (float32, zeroed, (Z * H,
-    dq_acc_rows, BLOCK_D), dq_acc_rows a multiple of BLOCK_M1 >= seqlen_q) with atomics and the dQ
+    dq_acc_rows, BLOCK_D), dq_acc_rows a multiple of BLOCK_M >= seqlen_q) with atomics and the dQ
     phase is skipped: 5 matrix products per tile pair instead of 7, paid for in atomic traffic.
     Grid: (key tiles * Z * H,).
+
+    Q_S, DO_S, K_S, V_S move tiles of BLOCK_M rows (the steps); Q_T, DO_T, K_T, V_T, DQ, DK, DV tiles
+    of BLOCK_N rows (the program's own).
     """
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     if ATOMIC_DQ:
-        num_tiles = tl.cdiv(seqlen_k, BLOCK_N1)
+        num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     else:
-        num_tiles = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N1), tl.cdiv(seqlen_q, BLOCK_M2))
+        num_tiles = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), tl.cdiv(seqlen_q, BLOCK_N))
     pid = tl.program_id(0)
     tile = pid % num_tiles
     bh = pid // num_tiles
-    z = (bh // num_heads).to(tl.int64)
-    h = (bh % num_heads).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    q_base = Q + z * stride_qz + h * stride_qh
-    k_base = K + z * stride_kz + h * stride_kh
-    v_base = V + z * stride_vz + h * stride_vh
-    do_base = DO + z * stride_doz + h * stride_doh
+    z = bh // heads
+    h = bh % heads
+    start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
     delta_base = Delta + bh.to(tl.int64) * seqlen_q
+    q_step = _descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
+    do_step = _descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
 
-    start_n = tile * BLOCK_N1
-    if start_n < seqlen_k:
-        offs_n = start_n + tl.arange(0, BLOCK_N1)
-        offs_m1 = tl.arange(0, BLOCK_M1)
-        k = _load(
-            k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-            offs_n,
-            seqlen_k,
-            offs_d,
-            True,
-            not EVEN_D,
-            HEAD_DIM,
-        )
-        v = _load(
-            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            offs_n,
-            seqlen_k,
-            offs_d,
-            True,
-            not EVEN_D,
-            HEAD_DIM,
-        )
-        dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-        q_ptrs = q_base + offs_m1[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = do_base + offs_m1[:, None] * stride_dom + offs_d[None, :] * stride_dod
-        dq_acc_ptrs = (
-            DQ_ACC + bh.to(tl.int64) * dq_acc_rows * BLOCK_D + offs_m1[:, None] * BLOCK_D + offs_d[None, :]
-        )
-        full_end = (seqlen_q // BLOCK_M1) * BLOCK_M1
+    if start < seqlen_k:
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = _load_tile(_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
+                       BLOCK_N, BLOCK_D)  # fmt: skip
+        v = _load_tile(_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
+                       BLOCK_N, BLOCK_D)  # fmt: skip
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dq_acc = DQ_ACC + bh.to(tl.int64) * dq_acc_rows * BLOCK_D
+        full_end = (seqlen_q // BLOCK_M) * BLOCK_M
         if CAUSAL:
-            # Query rows before start_n see none of these keys; tiles that start at or after
-            # start_n + BLOCK_N1 - 1 see all of them.
-            first = (start_n // BLOCK_M1) * BLOCK_M1
-            diagonal_end = tl.cdiv(start_n + BLOCK_N1 - 1, BLOCK_M1) * BLOCK_M1
+            # Query rows before `start` see none of these keys; query tiles that begin at or after
+            # start + BLOCK_N - 1 see all of them.
+            first = (start // BLOCK_M) * BLOCK_M
+            diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
             dk, dv = _bwd_query_tiles(
-                dk,
-                dv,
-                k,
-                v,
-                q_ptrs,
-                do_ptrs,
-                l_base,
-                delta_base,
-                dq_acc_ptrs,
-                stride_qm,
-                stride_dom,
-                offs_n,
-                offs_d,
-                first,
-                tl.minimum(diagonal_end, seqlen_q),
-                seqlen_q,
-                qk_scale,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_M1,
-                True,
-                True,
-                EVEN_D,
-                ATOMIC_DQ,
-                INPUT_PRECISION,
-            )
+                dk, dv, k, v, q_step, do_step, z, h, l_base, delta_base, dq_acc, offs_n, first,
+                tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
+                BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, INPUT_PRECISION,
+            )  # fmt: skip
             unmasked_start = diagonal_end
         else:
             unmasked_start = 0
         dk, dv = _bwd_query_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            q_ptrs,
-            do_ptrs,
-            l_base,
-            delta_base,
-            dq_acc_ptrs,
-            stride_qm,
-            stride_dom,
-            offs_n,
-            offs_d,
-            unmasked_start,
-            full_end,
-            seqlen_q,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M1,
-            False,
-            False,
-            EVEN_D,
-            ATOMIC_DQ,
-            INPUT_PRECISION,
-        )
-        # The ragged last query tile (empty when seqlen_q % BLOCK_M1 == 0).
+            dk, dv, k, v, q_step, do_step, z, h, l_base, delta_base, dq_acc, offs_n, unmasked_start,
+            full_end, seqlen_q, qk_scale, BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, INPUT_PRECISION,
+        )  # fmt: skip
+        # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
         dk, dv = _bwd_query_tiles(
-            dk,
-            dv,
-            k,
-            v,
-            q_ptrs,
-            do_ptrs,
-            l_base,
-            delta_base,
-            dq_acc_ptrs,
-            stride_qm,
-            stride_dom,
-            offs_n,
-            offs_d,
-            tl.maximum(unmasked_start, full_end),
-            seqlen_q,
-            seqlen_q,
-            qk_scale,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_M1,
-            False,
-            True,
-            EVEN_D,
-            ATOMIC_DQ,
-            INPUT_PRECISION,
-        )
-        dk_ptrs = (
-            DK + z * stride_dkz + h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-        )
-        dv_ptrs = (
-            DV + z * stride_dvz + h * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
-        )
-        _store(
-            dk_ptrs,
-            (dk * scale).to(DK.dtype.element_ty),
-            offs_n,
-            seqlen_k,
-            offs_d,
-            True,
-            not EVEN_D,
-            HEAD_DIM,
-        )
-        _store(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, True, not EVEN_D, HEAD_DIM)
+            dk, dv, k, v, q_step, do_step, z, h, l_base, delta_base, dq_acc, offs_n,
+            tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale,
+            BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, INPUT_PRECISION,
+        )  # fmt: skip
+        _store_tile(_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
+                    (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
+        _store_tile(_descriptor(DV, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
+                    dv.to(v.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
 
-    start_m = tile * BLOCK_M2
     if not ATOMIC_DQ:
-        if start_m < seqlen_q:
-            offs_m = start_m + tl.arange(0, BLOCK_M2)
-            offs_n2 = tl.arange(0, BLOCK_N2)
-            q = _load(
-                q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                offs_m,
-                seqlen_q,
-                offs_d,
-                True,
-                not EVEN_D,
-                HEAD_DIM,
-            )
-            do = _load(
-                do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                offs_m,
-                seqlen_q,
-                offs_d,
-                True,
-                not EVEN_D,
-                HEAD_DIM,
-            )
+        if start < seqlen_q:
+            offs_m = start + tl.arange(0, BLOCK_N)
+            q_own = _descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
+            do_own = _descriptor(DO_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
+            q = _load_tile(q_own, z, h, start, BLOCK_N, BLOCK_D)
+            do = _load_tile(do_own, z, h, start, BLOCK_N, BLOCK_D)
             l2 = _load_rows(l_base + offs_m, offs_m, seqlen_q, float("inf"), True) * _LOG2E
             delta = _load_rows(delta_base + offs_m, offs_m, seqlen_q, 0.0, True)
-            dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-            k_ptrs = k_base + offs_n2[:, None] * stride_kn + offs_d[None, :] * stride_kd
-            v_ptrs = v_base + offs_n2[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            k_step = _descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D)
+            v_step = _descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D)
             if CAUSAL:
-                unmasked_end = (tl.minimum(start_m + 1, seqlen_k) // BLOCK_N2) * BLOCK_N2
-                masked_end = tl.minimum(start_m + BLOCK_M2, seqlen_k)
+                unmasked_end = (tl.minimum(start + 1, seqlen_k) // BLOCK_M) * BLOCK_M
+                masked_end = tl.minimum(start + BLOCK_N, seqlen_k)
             else:
-                unmasked_end = (seqlen_k // BLOCK_N2) * BLOCK_N2
+                unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
                 masked_end = seqlen_k
             dq = _bwd_key_tiles(
-                dq,
-                q,
-                do,
-                l2,
-                delta,
-                k_ptrs,
-                v_ptrs,
-                stride_kn,
-                stride_vn,
-                offs_m,
-                offs_d,
-                0,
-                unmasked_end,
-                seqlen_k,
-                qk_scale,
-                HEAD_DIM,
-                BLOCK_N2,
-                False,
-                False,
-                EVEN_D,
-                INPUT_PRECISION,
-            )
+                dq, q, do, l2, delta, k_step, v_step, z, h, offs_m, 0, unmasked_end, seqlen_k, qk_scale,
+                BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION,
+            )  # fmt: skip
             dq = _bwd_key_tiles(
-                dq,
-                q,
-                do,
-                l2,
-                delta,
-                k_ptrs,
-                v_ptrs,
-                stride_kn,
-                stride_vn,
-                offs_m,
-                offs_d,
-                unmasked_end,
-                masked_end,
-                seqlen_k,
-                qk_scale,
-                HEAD_DIM,
-                BLOCK_N2,
-                CAUSAL,
-                True,
-                EVEN_D,
-                INPUT_PRECISION,
-            )
-            dq_ptrs = (
-                DQ + z * stride_dqz + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-            )
-            _store(
-                dq_ptrs,
-                (dq * scale).to(DQ.dtype.element_ty),
-                offs_m,
-                seqlen_q,
-                offs_d,
-                True,
-                not EVEN_D,
-                HEAD_DIM,
-            )
+                dq, q, do, l2, delta, k_step, v_step, z, h, offs_m, unmasked_end, masked_end, seqlen_k,
+                qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+            )  # fmt: skip
+            _store_tile(_descriptor(DQ, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D), z, h, start,
+                        (dq * scale).to(q.dtype), BLOCK_N, BLOCK_D)  # fmt: skip

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, backward_config, forward_config, smaller
@@ -74,11 +76,63 @@ def _block_d(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def _padded_head_dim(head_dim: int, element_size: int) -> int:
+    """Rows of a tensor descriptor must span a multiple of 16 bytes: d rounded up to that."""
+    step = 16 // element_size
+    return -(-head_dim // step) * step
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     # float32 keeps float32 accuracy (3 TF32 products) unless the user allowed TF32 for matmuls.
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "tf32x3"
     return "tf32"
+
+
+def _host_descriptors(device: torch.device) -> bool:
+    """Whether the host builds the tensor descriptors (TMA on Hopper and later; the interpreter).
+    Older GPUs get pointers to contiguous tensors, and the kernels build the descriptors."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
+    """x as (Z, H, T, head_dim) that the kernels can address: padded with zeros along d if head_dim
+    is larger, and copied only if its layout is one a descriptor cannot describe."""
+    x4 = _as_4d(x)
+    if x4.shape[-1] < head_dim:
+        x4 = F.pad(x4, (0, head_dim - x4.shape[-1]))
+    if not host:
+        return x4.contiguous()
+    size = x4.element_size()
+    addressable = (
+        x4.stride(-1) == 1
+        and x4.data_ptr() % 16 == 0
+        and all(
+            n == 1 or (stride > 0 and stride * size % 16 == 0)
+            for n, stride in zip(x4.shape[:-1], x4.stride()[:-1], strict=True)
+        )
+    )
+    return x4 if addressable else x4.contiguous()
+
+
+def _tiles(x4: torch.Tensor, rows: int, block_d: int, host: bool) -> Any:
+    """A descriptor moving (rows, block_d) tiles of x4, or x4 itself for the kernels to describe."""
+    if not host:
+        return x4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    strides = list(x4.stride())
+    for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
+        if x4.shape[i] == 1:
+            strides[i] = strides[i + 1] * x4.shape[i + 1]
+    return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, rows, block_d])
+
+
+def _set_allocator() -> None:
+    """Device-side descriptors live in scratch memory that Triton asks the host to allocate."""
+    import triton
+
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -89,15 +143,20 @@ _fitted: dict[Any, ForwardConfig | BackwardConfig] = {}
 
 
 def _launch(
-    kernel: Any, grid: Any, config: ForwardConfig | BackwardConfig, key: Any, *args: Any, **constexprs: Any
+    kernel: Any,
+    config: ForwardConfig | BackwardConfig,
+    key: Any,
+    build: Callable[[Any], tuple[tuple[int], tuple, dict]],
 ) -> None:
-    """Launch with `config` (or the config that fit last time for `key`), stepping down on OutOfResources."""
+    """Launch kernel[grid](*args, **kwargs) from build(config), with `config` or the config that fit last
+    time for `key`, stepping down to smaller ones on OutOfResources (a GPU with less shared memory)."""
     from triton.runtime.errors import OutOfResources
 
     config = _fitted.get(key, config)
     while True:
+        grid, args, kwargs = build(config)
         try:
-            kernel[grid(config)](*args, **constexprs, **_kernel_args(config))
+            kernel[grid](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
             _fitted[key] = config
             return
         except OutOfResources:
@@ -105,20 +164,6 @@ def _launch(
             if next_config is None:
                 raise
             config = next_config
-
-
-def _kernel_args(config: ForwardConfig | BackwardConfig) -> dict[str, int]:
-    if isinstance(config, ForwardConfig):
-        blocks = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
-    else:
-        blocks = {
-            "BLOCK_M1": config.block_m1,
-            "BLOCK_N1": config.block_n1,
-            "BLOCK_M2": config.block_m2,
-            "BLOCK_N2": config.block_n2,
-            "ATOMIC_DQ": config.atomic_dq,
-        }
-    return {**blocks, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def triton_forward(
@@ -131,44 +176,50 @@ def triton_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) from the Triton forward kernel; O is contiguous, L float32 of shape q.shape[:-1]."""
     kernels = _kernels()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    q4, k4, v4, o4 = (_as_4d(t) for t in (q, k, v, out))
-    batch, heads, seqlen_q, head_dim = q4.shape
+    if q.numel() == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    host = _host_descriptors(q.device)
+    head_dim = _padded_head_dim(q.shape[-1], q.element_size())
     block_d = _block_d(head_dim)
+    q4, k4, v4 = (_kernel_view(t, head_dim, host) for t in (q, k, v))
+    o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
+    batch, heads, seqlen_q, _ = q4.shape
+    seqlen_k = k4.shape[2]
     config = config or forward_config(block_d, q.element_size(), is_causal, _interpreted())
-    key = ("fwd", q.device, block_d, q.dtype, is_causal, config)
 
-    def grid(c: ForwardConfig) -> tuple[int]:
-        return (-(-seqlen_q // c.block_m) * batch * heads,)
-
-    with _device_guard(q):
-        _launch(
-            kernels.attn_fwd,
-            grid,
-            config,
-            key,
-            q4,
-            k4,
-            v4,
-            o4,
+    def build(c: ForwardConfig) -> tuple[tuple[int], tuple, dict]:
+        grid = (-(-seqlen_q // c.block_m) * batch * heads,)
+        args = (
+            _tiles(q4, c.block_m, block_d, host),
+            _tiles(k4, c.block_n, block_d, host),
+            _tiles(v4, c.block_n, block_d, host),
+            _tiles(o4, c.block_m, block_d, host),
             lse,
-            *q4.stride(),
-            *k4.stride(),
-            *v4.stride(),
-            *o4.stride(),
+            batch,
             heads,
             seqlen_q,
-            k4.shape[2],
+            seqlen_k,
+            head_dim,
             scale * kernels.LOG2E,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            CAUSAL=is_causal,
-            INPUT_PRECISION=_input_precision(q.dtype),
         )
-    return out, lse
+        return (
+            grid,
+            args,
+            {
+                "BLOCK_M": c.block_m,
+                "BLOCK_N": c.block_n,
+                "BLOCK_D": block_d,
+                "CAUSAL": is_causal,
+                "INPUT_PRECISION": _input_precision(q.dtype),
+            },
+        )
+
+    if not host:
+        _set_allocator()
+    with _device_guard(q):
+        _launch(kernels.attn_fwd, config, ("fwd", q.device, block_d, q.dtype, is_causal, config), build)
+    return o4[..., : q.shape[-1]].reshape(q.shape), lse
 
 
 def triton_backward(
@@ -184,83 +235,87 @@ def triton_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O), then dK/dV and dQ in one launch."""
     kernels = _kernels()
-    grad_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    grad_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    grad_v = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if grad_k.numel() == 0:
-        return grad_q, grad_k, grad_v
-    if grad_q.numel() == 0:  # no query sees any key
-        return grad_q, grad_k.zero_(), grad_v.zero_()
-    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (_as_4d(t) for t in (q, k, v, out, grad_out, grad_q, grad_k, grad_v))
-    batch, heads, seqlen_q, head_dim = q4.shape
-    seqlen_k = k4.shape[2]
+    if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
+        return (
+            torch.zeros_like(q, memory_format=torch.contiguous_format),
+            torch.zeros_like(k, memory_format=torch.contiguous_format),
+            torch.zeros_like(v, memory_format=torch.contiguous_format),
+        )
+    host = _host_descriptors(q.device)
+    head_dim = _padded_head_dim(q.shape[-1], q.element_size())
     block_d = _block_d(head_dim)
+    q4, k4, v4, o4, do4 = (_kernel_view(t, head_dim, host) for t in (q, k, v, out, grad_out))
+    dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
+    batch, heads, seqlen_q, _ = q4.shape
+    seqlen_k = k4.shape[2]
     delta = torch.empty_like(lse)
     config = config or backward_config(block_d, q.element_size(), is_causal, _interpreted())
-    key = ("bwd", q.device, block_d, q.dtype, is_causal, config)
+    # The float32 dQ sum of the atomic variant, padded to whole tiles of any size up to 128 rows
+    # (a smaller config may be stepped down to) so that its updates need no masks.
+    dq_acc_rows = -(-seqlen_q // 128) * 128
+    dq_acc = (
+        torch.zeros(batch * heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
+        if config.atomic_dq
+        else lse
+    )
+
+    def build(c: BackwardConfig) -> tuple[tuple[int], tuple, dict]:
+        tiles = (
+            -(-seqlen_k // c.block_n)
+            if c.atomic_dq
+            else max(-(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n))
+        )
+        step = [_tiles(t, c.block_m, block_d, host) for t in (q4, do4, k4, v4)]
+        own = [_tiles(t, c.block_n, block_d, host) for t in (q4, do4, k4, v4, dq4, dk4, dv4)]
+        args = (
+            *step,
+            *own,
+            lse,
+            delta,
+            dq_acc,
+            batch,
+            heads,
+            seqlen_q,
+            seqlen_k,
+            head_dim,
+            dq_acc_rows,
+            scale * kernels.LOG2E,
+            scale,
+        )
+        return (
+            (tiles * batch * heads,),
+            args,
+            {
+                "BLOCK_M": c.block_m,
+                "BLOCK_N": c.block_n,
+                "BLOCK_D": block_d,
+                "CAUSAL": is_causal,
+                "ATOMIC_DQ": c.atomic_dq,
+                "INPUT_PRECISION": _input_precision(q.dtype),
+            },
+        )
+
+    if not host:
+        _set_allocator()
     preprocess_rows = 64
-
-    def grid(c: BackwardConfig) -> tuple[int]:
-        tiles = -(-seqlen_k // c.block_n1)
-        return ((tiles if c.atomic_dq else max(tiles, -(-seqlen_q // c.block_m2))) * batch * heads,)
-
     with _device_guard(q):
         kernels.attn_bwd_preprocess[(batch * heads, -(-seqlen_q // preprocess_rows))](
             o4,
             do4,
             delta,
-            *o4.stride(),
-            *do4.stride(),
+            *o4.stride()[:3],
+            *do4.stride()[:3],
             heads,
             seqlen_q,
-            HEAD_DIM=head_dim,
+            head_dim,
             BLOCK_D=block_d,
             BLOCK_M=preprocess_rows,
         )
-        # The float32 dQ sum of the atomic variant, padded to whole tiles of any size up to 128 rows
-        # (a smaller config may be stepped down to) so that its updates need no masks.
-        dq_acc_rows = -(-seqlen_q // 128) * 128
-        dq_acc = (
-            torch.zeros(batch * heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
-            if config.atomic_dq
-            else dq4
-        )
-        _launch(
-            kernels.attn_bwd,
-            grid,
-            config,
-            key,
-            q4,
-            k4,
-            v4,
-            do4,
-            lse,
-            delta,
-            dq4,
-            dk4,
-            dv4,
-            dq_acc,
-            *q4.stride(),
-            *k4.stride(),
-            *v4.stride(),
-            *do4.stride(),
-            *dq4.stride(),
-            *dk4.stride(),
-            *dv4.stride(),
-            heads,
-            seqlen_q,
-            seqlen_k,
-            dq_acc_rows,
-            scale * kernels.LOG2E,
-            scale,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            CAUSAL=is_causal,
-            INPUT_PRECISION=_input_precision(q.dtype),
-        )
+        _launch(kernels.attn_bwd, config, ("bwd", q.device, block_d, q.dtype, is_causal, config), build)
     if config.atomic_dq:
         dq4.copy_((dq_acc[:, :seqlen_q, :head_dim] * scale).view(dq4.shape))
-    return grad_q, grad_k, grad_v
+    d = q.shape[-1]
+    return dq4[..., :d].reshape(q.shape), dk4[..., :d].reshape(k.shape), dv4[..., :d].reshape(v.shape)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
