@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from flashattn_triton import FlashAttentionTorch, FlashAttentionTriton, flash_attention, triton_impl
+from flashattn_triton import FlashAttentionTorch, FlashAttentionTriton, _configs, flash_attention, triton_impl
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton.torch_impl import _backward_key_tile, _CompiledOnCuda
 
@@ -39,7 +39,10 @@ def case_id(case) -> str:
 
 
 @pytest.fixture(autouse=True)
-def float32_matmuls_in_full_precision():
+def float32_matmuls_in_full_precision_and_default_configs(monkeypatch):
+    """Full float32 precision, and each kernel's first candidate config unless a test asks for tuning
+    (test_every_candidate covers the others; tuning them all in every test would only cost time)."""
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     yield
@@ -133,13 +136,45 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
         torch.testing.assert_close(a, b)
 
 
-def test_config_too_big_for_shared_memory_steps_down(problem):
+def test_config_too_big_for_shared_memory_steps_down(problem, monkeypatch):
+    steps = []
+    monkeypatch.setattr(triton_impl, "smaller", lambda c: steps.append(c) or _configs.smaller(c))
     p = problem((1, 2), 512, 512, 128, torch.bfloat16, True, device="cuda")
     huge = ForwardConfig(256, 256, 8, 4)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 128**-0.5, config=huge)
     p.assert_close({"out": out, "lse": lse})
-    fitted = triton_impl._fitted[("fwd", p.q.device, 128, torch.bfloat16, True, huge)]
-    assert fitted != huge
+    assert steps and steps[0] == huge
+
+
+EVERY_CANDIDATE = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64), (torch.float32, 128),
+                   (torch.bfloat16, 256)]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), EVERY_CANDIDATE)
+def test_every_candidate(problem, dtype, head_dim):
+    """Every config the tuner may pick computes the same function (ragged, causal, Tq != Tk)."""
+    p = problem((2, 3), 333, 290, head_dim, dtype, True, device="cuda")
+    size = torch.empty((), dtype=dtype).element_size()
+    scale = head_dim**-0.5
+    for config in _configs.forward_candidates(head_dim, size, False):
+        out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, scale, config)
+        p.assert_close({"out": out, "lse": lse})
+    for config in _configs.backward_candidates(head_dim, size, False):
+        grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, scale, config)
+        p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
+def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(triton_impl, "_chosen", {})
+    p = problem((1, 3), 1000, 1000, 64, torch.bfloat16, True, device="cuda")
+    q, k, v = p.inputs()
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    out.backward(p.grad_out)
+    p.check(out, q, k, v)
+    chosen = {key[0]: config for key, config in triton_impl._chosen.items()}
+    assert chosen["fwd"] in _configs.forward_candidates(64, 2, False)
+    assert chosen["bwd"] in _configs.backward_candidates(64, 2, False)
 
 
 BACKWARD_VARIANTS = [

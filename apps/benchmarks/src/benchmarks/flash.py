@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--warmup", type=float, default=10.0, help="do_bench warm-up, ms")
     parser.add_argument("--rep", type=float, default=50.0, help="do_bench measuring time, ms")
     parser.add_argument("--geomean-min-seq", type=int, default=1024, help="geometric means over T >= this")
+    parser.add_argument("--name", default="flash", help="results file name (for runs of different sweeps)")
     args = parse_args(parser, argv)
     dev = device()
     preset = (QUICK_GPU if dev.type == "cuda" else QUICK_CPU) if args.quick else DEFAULTS
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     summary = geomean_summary(df, args.passes, args.geomean_min_seq)
     for line in summary:
         console.print(line)
-    save_results(df, "flash", args, {"geomeans": " | ".join(summary)} if summary else None)
+    save_results(df, args.name, args, {"geomeans": " | ".join(summary)} if summary else None)
     return df
 
 

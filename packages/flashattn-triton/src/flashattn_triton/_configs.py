@@ -1,7 +1,7 @@
-"""Block sizes, warps and pipeline stages of the Triton kernels, per (head dim, dtype, causal).
+"""Block sizes, warps and pipeline stages of the Triton kernels: the candidates per head dim and dtype.
 
-The table was measured on an H100 (PERF.md has the sweeps behind it). Where a config does not fit a
-smaller GPU's shared memory, the launcher steps down through :func:`smaller` until one does.
+Measured on an H100 (PERF.md has the sweeps behind them). Where no candidate fits a smaller GPU's
+shared memory, the launcher steps down from the first through :func:`smaller` until one does.
 """
 
 from __future__ import annotations
@@ -48,39 +48,42 @@ class BackwardConfig:
 INTERPRETER_FORWARD = ForwardConfig(32, 16, 4, 1)
 INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 
-# (block_d, bytes per element) -> config; causal and non-causal share one entry unless measured apart.
+F, B = ForwardConfig, BackwardConfig
+# Candidates per (block_d, bytes per element), the default first; the launcher times them once per
+# problem size class and keeps the fastest (PERF.md has the measurements). Each list holds only
+# configs whose sm_90 build spills no registers (or spills least, for float32's 3-pass products).
 _FORWARD = {
-    (16, 2): ForwardConfig(128, 64, 4, 3),
-    (32, 2): ForwardConfig(128, 64, 4, 3),
-    (64, 2): ForwardConfig(128, 64, 4, 3),
-    (128, 2): ForwardConfig(128, 64, 8, 3),
-    (256, 2): ForwardConfig(64, 32, 4, 2),
-    (16, 4): ForwardConfig(64, 64, 4, 2),
-    (32, 4): ForwardConfig(64, 64, 4, 2),
-    (64, 4): ForwardConfig(64, 32, 4, 2),
-    (128, 4): ForwardConfig(64, 32, 8, 2),
-    (256, 4): ForwardConfig(32, 32, 4, 1),
+    (64, 2): [F(128, 64, 4, 3), F(128, 64, 8, 3), F(128, 128, 8, 3), F(64, 64, 4, 3), F(128, 32, 4, 4)],
+    (128, 2): [F(128, 64, 8, 3), F(128, 128, 8, 2), F(64, 64, 4, 3), F(128, 64, 4, 3), F(64, 128, 4, 2)],
+    (256, 2): [F(64, 32, 4, 2), F(64, 64, 8, 2)],
+    (32, 4): [F(64, 64, 4, 2), F(64, 32, 4, 2)],
+    (64, 4): [F(64, 32, 4, 2), F(128, 32, 8, 2), F(64, 32, 8, 2)],
+    (128, 4): [F(64, 32, 8, 2), F(64, 32, 4, 2), F(64, 16, 4, 2)],
+    (256, 4): [F(32, 32, 4, 1), F(64, 16, 8, 1)],
 }
 _BACKWARD = {
-    (16, 2): BackwardConfig(32, 128, 4, 3),
-    (32, 2): BackwardConfig(32, 128, 4, 3),
-    (64, 2): BackwardConfig(32, 128, 4, 3),
-    (128, 2): BackwardConfig(32, 128, 8, 2),
-    (256, 2): BackwardConfig(16, 64, 8, 1),
-    (16, 4): BackwardConfig(32, 64, 4, 2),
-    (32, 4): BackwardConfig(32, 64, 4, 2),
-    (64, 4): BackwardConfig(32, 128, 8, 2),
-    (128, 4): BackwardConfig(16, 64, 8, 1),
-    (256, 4): BackwardConfig(16, 32, 4, 1),
+    (64, 2): [B(32, 128, 4, 3), B(32, 128, 8, 3), B(64, 128, 8, 2), B(32, 64, 4, 3), B(32, 128, 8, 3, True)],
+    (128, 2): [B(32, 128, 8, 2), B(32, 64, 4, 3), B(64, 128, 8, 2), B(16, 64, 4, 3), B(32, 128, 8, 2, True)],
+    (256, 2): [B(16, 64, 8, 1), B(16, 32, 4, 2)],
+    (32, 4): [B(32, 64, 4, 2), B(16, 64, 4, 2)],
+    (64, 4): [B(32, 128, 8, 2), B(32, 64, 8, 2), B(16, 64, 8, 2), B(32, 128, 8, 2, True)],
+    (128, 4): [B(16, 64, 8, 1), B(32, 64, 8, 1), B(16, 32, 8, 2)],
+    (256, 4): [B(16, 32, 4, 1), B(16, 16, 8, 1)],
 }
 
 
-def forward_config(block_d: int, element_size: int, causal: bool, interpret: bool) -> ForwardConfig:
-    return INTERPRETER_FORWARD if interpret else _FORWARD[(block_d, element_size)]
+def _row(table: dict, block_d: int, element_size: int) -> list:
+    # Head dims up to 64 (and float32's up to 32) share the candidates of the next size up.
+    smallest = 64 if element_size == 2 else 32
+    return table[(max(block_d, smallest), element_size)]
 
 
-def backward_config(block_d: int, element_size: int, causal: bool, interpret: bool) -> BackwardConfig:
-    return INTERPRETER_BACKWARD if interpret else _BACKWARD[(block_d, element_size)]
+def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list[ForwardConfig]:
+    return [INTERPRETER_FORWARD] if interpret else _row(_FORWARD, block_d, element_size)
+
+
+def backward_candidates(block_d: int, element_size: int, interpret: bool) -> list[BackwardConfig]:
+    return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
 def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardConfig | None:

@@ -8,17 +8,25 @@ interpreter runs them on CPU tensors instead (slowly: for testing).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from flashattn_triton._configs import BackwardConfig, ForwardConfig, backward_config, forward_config, smaller
+from flashattn_triton._configs import (
+    BackwardConfig,
+    ForwardConfig,
+    backward_candidates,
+    forward_candidates,
+    smaller,
+)
 from flashattn_triton._validation import check_inputs
 
 MAX_HEAD_DIM = 256
@@ -139,42 +147,65 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-_fitted: dict[Any, ForwardConfig | BackwardConfig] = {}
+_chosen: dict[Any, ForwardConfig | BackwardConfig] = {}
 
 
-def _launch(
-    kernel: Any,
-    config: ForwardConfig | BackwardConfig,
-    key: Any,
-    build: Callable[[Any], tuple[tuple[int], tuple, dict]],
-) -> None:
-    """Launch kernel[grid](*args, **kwargs) from build(config), with `config` or the config that fit last
-    time for `key`, stepping down to smaller ones on OutOfResources (a GPU with less shared memory)."""
+def _autotune_enabled() -> bool:
+    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _size_class(n: int) -> int:
+    """n rounded up to a power of two: problems in one class share their tuned config."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+Config = TypeVar("Config", ForwardConfig, BackwardConfig)
+
+
+def _describe(config: ForwardConfig | BackwardConfig) -> str:
+    return "/".join(str(int(x)) for x in dataclasses.astuple(config))
+
+
+def _run(run: Callable[[Config], None], candidates: list[Config], key: Any, config: Config | None) -> Config:
+    """run(c) with `config` if given, else the fastest candidate for `key` (timed on first use, once per
+    process, unless FLASHATTN_TRITON_AUTOTUNE=0 or under CUDA graph capture; the timings go to stderr
+    with FLASHATTN_TRITON_AUTOTUNE_LOG=1); a config that does not fit this GPU's shared memory steps
+    down through smaller(). Returns the config that ran."""
     from triton.runtime.errors import OutOfResources
 
-    config = _fitted.get(key, config)
+    if config is None:
+        config = _chosen.get(key)
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if config is None and len(candidates) > 1 and _autotune_enabled() and not capturing:
+        from triton.testing import do_bench
+
+        times = {}
+        for candidate in candidates:
+            try:
+                times[candidate] = do_bench(lambda c=candidate: run(c), warmup=2, rep=10,
+                                            return_mode="median")  # fmt: skip
+            except Exception:  # too big for this GPU, or a build this Triton refuses: not a candidate here
+                continue
+        if times:
+            config = _chosen[key] = min(times, key=times.get)
+            if os.environ.get("FLASHATTN_TRITON_AUTOTUNE_LOG"):
+                timings = ", ".join(f"{_describe(c)} {ms:.4f} ms" for c, ms in times.items())
+                print(f"flashattn_triton tuned {key}: {timings} -> {_describe(config)}", file=sys.stderr)
+    config = config or candidates[0]
     while True:
-        grid, args, kwargs = build(config)
         try:
-            kernel[grid](*args, **kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-            _fitted[key] = config
-            return
+            run(config)
+            return config
         except OutOfResources:
-            next_config = smaller(config)
-            if next_config is None:
+            config = smaller(config)
+            if config is None:
                 raise
-            config = next_config
 
 
-def triton_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    is_causal: bool,
-    scale: float,
-    config: ForwardConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, L) from the Triton forward kernel; O is contiguous, L float32 of shape q.shape[:-1]."""
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                   config: ForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O is contiguous, L float32
+    of shape q.shape[:-1]."""
     kernels = _kernels()
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
@@ -186,61 +217,34 @@ def triton_forward(
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
-    config = config or forward_config(block_d, q.element_size(), is_causal, _interpreted())
+    precision = _input_precision(q.dtype)
 
-    def build(c: ForwardConfig) -> tuple[tuple[int], tuple, dict]:
+    def run(c: ForwardConfig) -> None:
         grid = (-(-seqlen_q // c.block_m) * batch * heads,)
-        args = (
-            _tiles(q4, c.block_m, block_d, host),
-            _tiles(k4, c.block_n, block_d, host),
-            _tiles(v4, c.block_n, block_d, host),
-            _tiles(o4, c.block_m, block_d, host),
-            lse,
-            batch,
-            heads,
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-            scale * kernels.LOG2E,
-        )
-        return (
-            grid,
-            args,
-            {
-                "BLOCK_M": c.block_m,
-                "BLOCK_N": c.block_n,
-                "BLOCK_D": block_d,
-                "CAUSAL": is_causal,
-                "INPUT_PRECISION": _input_precision(q.dtype),
-            },
-        )
+        kernels.attn_fwd[grid](
+            _tiles(q4, c.block_m, block_d, host), _tiles(k4, c.block_n, block_d, host),
+            _tiles(v4, c.block_n, block_d, host), _tiles(o4, c.block_m, block_d, host), lse,
+            batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d, CAUSAL=is_causal,
+            INPUT_PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
 
     if not host:
         _set_allocator()
+    key = ("fwd", q.device, block_d, q.dtype, is_causal, precision, _size_class(max(seqlen_q, seqlen_k)),
+           _size_class(batch * heads))  # fmt: skip
     with _device_guard(q):
-        _launch(kernels.attn_fwd, config, ("fwd", q.device, block_d, q.dtype, is_causal, config), build)
+        _run(run, forward_candidates(block_d, q.element_size(), _interpreted()), key, config)
     return o4[..., : q.shape[-1]].reshape(q.shape), lse
 
 
-def triton_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    grad_out: torch.Tensor,
-    is_causal: bool,
-    scale: float,
-    config: BackwardConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    grad_out: torch.Tensor, is_causal: bool, scale: float,
+                    config: BackwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O), then dK/dV and dQ in one launch."""
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
-        return (
-            torch.zeros_like(q, memory_format=torch.contiguous_format),
-            torch.zeros_like(k, memory_format=torch.contiguous_format),
-            torch.zeros_like(v, memory_format=torch.contiguous_format),
-        )
+        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     host = _host_descriptors(q.device)
     head_dim = _padded_head_dim(q.shape[-1], q.element_size())
     block_d = _block_d(head_dim)
@@ -249,70 +253,42 @@ def triton_backward(
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     delta = torch.empty_like(lse)
-    config = config or backward_config(block_d, q.element_size(), is_causal, _interpreted())
-    # The float32 dQ sum of the atomic variant, padded to whole tiles of any size up to 128 rows
-    # (a smaller config may be stepped down to) so that its updates need no masks.
+    precision = _input_precision(q.dtype)
+    # The float32 dQ sum of the atomic variant, zeroed before each run, padded to whole tiles of up
+    # to 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
-    dq_acc = (
-        torch.zeros(batch * heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
-        if config.atomic_dq
-        else lse
-    )
+    dq_acc = torch.empty(0, dtype=torch.float32, device=q.device)
 
-    def build(c: BackwardConfig) -> tuple[tuple[int], tuple, dict]:
-        tiles = (
-            -(-seqlen_k // c.block_n)
-            if c.atomic_dq
-            else max(-(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n))
-        )
+    def run(c: BackwardConfig) -> None:
+        nonlocal dq_acc
+        tiles = -(-seqlen_k // c.block_n)
+        if c.atomic_dq:
+            if dq_acc.numel() == 0:
+                dq_acc = torch.empty(batch * heads, dq_acc_rows, block_d, dtype=lse.dtype, device=q.device)
+            dq_acc.zero_()
+        else:
+            tiles = max(tiles, -(-seqlen_q // c.block_n))
         step = [_tiles(t, c.block_m, block_d, host) for t in (q4, do4, k4, v4)]
         own = [_tiles(t, c.block_n, block_d, host) for t in (q4, do4, k4, v4, dq4, dk4, dv4)]
-        args = (
-            *step,
-            *own,
-            lse,
-            delta,
-            dq_acc,
-            batch,
-            heads,
-            seqlen_q,
-            seqlen_k,
-            head_dim,
-            dq_acc_rows,
-            scale * kernels.LOG2E,
-            scale,
-        )
-        return (
-            (tiles * batch * heads,),
-            args,
-            {
-                "BLOCK_M": c.block_m,
-                "BLOCK_N": c.block_n,
-                "BLOCK_D": block_d,
-                "CAUSAL": is_causal,
-                "ATOMIC_DQ": c.atomic_dq,
-                "INPUT_PRECISION": _input_precision(q.dtype),
-            },
-        )
+        kernels.attn_bwd[(tiles * batch * heads,)](
+            *step, *own, lse, delta, dq_acc, batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
+            scale * kernels.LOG2E, scale,
+            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d, CAUSAL=is_causal, ATOMIC_DQ=c.atomic_dq,
+            INPUT_PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
 
     if not host:
         _set_allocator()
     preprocess_rows = 64
+    key = ("bwd", q.device, block_d, q.dtype, is_causal, precision, _size_class(max(seqlen_q, seqlen_k)),
+           _size_class(batch * heads))  # fmt: skip
     with _device_guard(q):
         kernels.attn_bwd_preprocess[(batch * heads, -(-seqlen_q // preprocess_rows))](
-            o4,
-            do4,
-            delta,
-            *o4.stride()[:3],
-            *do4.stride()[:3],
-            heads,
-            seqlen_q,
-            head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=preprocess_rows,
-        )
-        _launch(kernels.attn_bwd, config, ("bwd", q.device, block_d, q.dtype, is_causal, config), build)
-    if config.atomic_dq:
+            o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
+            BLOCK_D=block_d, BLOCK_M=preprocess_rows,
+        )  # fmt: skip
+        used = _run(run, backward_candidates(block_d, q.element_size(), _interpreted()), key, config)
+    if used.atomic_dq:
         dq4.copy_((dq_acc[:, :seqlen_q, :head_dim] * scale).view(dq4.shape))
     d = q.shape[-1]
     return dq4[..., :d].reshape(q.shape), dk4[..., :d].reshape(k.shape), dv4[..., :d].reshape(v.shape)
