@@ -152,7 +152,7 @@ def build(session: nox.Session) -> None:
     if "cs336-systems-benchmarks" in dists:
         dists = list(dict.fromkeys(LIBRARIES + dists))
     wheels = build_dists(session, dists)
-    for dist, wheel in zip(dists, wheels):
+    for dist, wheel in zip(dists, wheels, strict=True):
         check_wheel_in_clean_venv(session, wheel, PACKAGES[dist][1])
     session.log("built: " + ", ".join(sorted(p.name for p in DIST.iterdir())))
 

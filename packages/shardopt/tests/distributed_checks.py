@@ -84,7 +84,8 @@ def assert_equal_state_dicts(got: dict, expected: dict) -> None:
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 # consolidate_state_dict returns CPU copies; compare values, not devices.
-                assert torch.equal(value.cpu(), got["state"][index][key].cpu()), f"state[{index}][{key!r}] differs"
+                got_value = got["state"][index][key]
+                assert torch.equal(value.cpu(), got_value.cpu()), f"state[{index}][{key!r}] differs"
             else:
                 assert value == got["state"][index][key]
 

@@ -348,10 +348,7 @@ def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser("accounting", __doc__.splitlines()[0])
-    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = make_parser("accounting", __doc__)
     parser.add_argument("--tokens", type=int_list, default="1024,4096,8192,16384",
                         help="tokens per step (batch x context) for the activation memory")
     parser.add_argument("--h100-gb", type=_positive(float), default=80.0, help="memory of one H100, GB")

@@ -21,7 +21,6 @@ world size (then each backend uses the default group: gloo for CPU tensors, NCCL
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -115,10 +114,7 @@ def plot(df: pd.DataFrame, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser("allreduce", __doc__.splitlines()[0])
-    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = make_parser("allreduce", __doc__)
     parser.add_argument("--backends", type=str_list(["gloo", "nccl"]),
                         default="gloo,nccl" if torch.cuda.is_available() else "gloo",
                         help="comma-separated: gloo (CPU processes), nccl (one GPU per rank; by default "

@@ -134,11 +134,7 @@ def eager_cell(args: argparse.Namespace, seq_len: int, head_dim: int, dev: torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser("attention", __doc__.splitlines()[0])
-    parser.description = __doc__
-    # keep the docstring's paragraphs and still show defaults
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = make_parser("attention", __doc__)
     parser.add_argument("--batch-size", type=int, default=8, help="batch size (one head)")
     parser.add_argument("--d", type=int_list, default="16,32,64,128", help="head dimensions, comma-separated")
     parser.add_argument("--T", type=int_list, default="256,1024,4096,8192,16384" if _on_gpu else "64,128",

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pandas as pd
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -58,10 +59,14 @@ def run_metadata(command: str) -> dict[str, str]:
     }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's paragraphs as written and shows every option's default."""
+
+
 def make_parser(experiment: str, description: str) -> argparse.ArgumentParser:
-    """An experiment's parser, with the output options every experiment has."""
+    """An experiment's parser (description: its module docstring), with the options every experiment has."""
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{experiment}", description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--results-dir", type=Path, default=Path("results"),
                         help="write <results-dir>/<device>/<name>.csv and .md")
     parser.add_argument("--no-save", action="store_true", help="print the tables, write no files")
@@ -113,9 +118,10 @@ def read_results(path: Path) -> tuple[pd.DataFrame, dict[str, str]]:
 def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> None:
     table = Table(title=title, title_justify="left")
     for column in df.columns:
-        table.add_column(str(column), justify="right" if pd.api.types.is_numeric_dtype(df[column]) else "left")
+        numeric = pd.api.types.is_numeric_dtype(df[column])
+        table.add_column(str(column), justify="right" if numeric else "left")
     for row in df.itertuples(index=False):
-        table.add_row(*(float_format.format(v) if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*(float_format.format(v) if isinstance(v, float) else escape(str(v)) for v in row))
     console.print(table)
 
 

@@ -230,10 +230,7 @@ def runs_from(strategies: list[str], bucket_mbs: list[float]) -> tuple[tuple[str
 
 def main(argv: list[str] | None = None) -> None:
     has_gpu = torch.cuda.is_available()
-    parser = make_parser("ddp", __doc__.splitlines()[0])
-    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = make_parser("ddp", __doc__)
     parser.add_argument("--strategy", type=str_list(STRATEGIES), default="all",
                         help=f"comma-separated among {', '.join(STRATEGIES)} (or 'all')")
     parser.add_argument("--bucket-mb", type=float_list, default="25",

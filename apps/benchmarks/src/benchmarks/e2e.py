@@ -242,11 +242,7 @@ def kernel_tables(report: profkit.KernelReport, config: Config) -> tuple[pd.Data
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = make_parser("e2e", __doc__.splitlines()[0])
-    parser.description = __doc__
-    # keep the docstring's paragraphs and still show defaults
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = make_parser("e2e", __doc__)
     cpu_default = not _on_gpu
     parser.add_argument("--size", type=str_list(MODEL_SIZES), default="tiny" if cpu_default else "small",
                         help=f"model sizes, comma-separated or 'all' ({', '.join(MODEL_SIZES)}); "

@@ -175,7 +175,8 @@ class TransformerLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[-1] > self.cfg.context_length:
-            raise ValueError(f"sequence length {tokens.shape[-1]} exceeds context_length={self.cfg.context_length}")
+            raise ValueError(f"tokens: sequence length {tokens.shape[-1]} exceeds "
+                             f"context_length={self.cfg.context_length}")
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)

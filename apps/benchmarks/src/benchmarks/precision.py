@@ -82,7 +82,7 @@ def autocast_table(dev: torch.device) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser("precision", __doc__.splitlines()[0])
+    parser = make_parser("precision", __doc__)
     args = parse_args(parser, argv)
     acc = accumulation_table()
     print_table(acc, "Summing 0.01 one thousand times (exact: 10)", float_format="{:.6f}")

@@ -9,7 +9,6 @@ gets a line saying which command to run. Needs no GPU.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shlex
@@ -1250,10 +1249,7 @@ def _anchor(title: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser("report", __doc__.splitlines()[0])
-    parser.description = __doc__  # the whole docstring, paragraphs kept, defaults still shown
-    parser.formatter_class = type("Formatter", (argparse.RawDescriptionHelpFormatter,
-                                                argparse.ArgumentDefaultsHelpFormatter), {})
+    parser = make_parser("report", __doc__)
     for action in parser._actions:  # the shared options, read here rather than written
         if action.dest == "results_dir":
             action.help = "read every <results-dir>/<device>/<name>.csv"

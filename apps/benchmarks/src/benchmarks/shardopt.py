@@ -264,7 +264,7 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = make_parser("shardopt", __doc__.splitlines()[0])
+    parser = make_parser("shardopt", __doc__)
     parser.add_argument("--nproc", type=int, default=None,
                         help="workers to spawn; default 2 (under torchrun: its world size, leave this out)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,

@@ -12,11 +12,13 @@ import traceback
 
 from benchmarks.common import console, make_parser, parse_args
 
-EXPERIMENTS = ["precision"]
+# The report comes last: it reads what the others wrote.
+EXPERIMENTS = ["precision", "e2e", "attention", "flash", "allreduce", "ddp", "shardopt", "accounting",
+               "report"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser("tour", __doc__.splitlines()[0])
+    parser = make_parser("tour", __doc__)
     parser.set_defaults(results_dir="out/tour")
     parser.add_argument("--only", default=",".join(EXPERIMENTS),
                         help="comma-separated experiments to run, in this order")
@@ -24,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
-        parser.error(f"--only: unknown experiment(s) {', '.join(unknown)}; choose from {', '.join(EXPERIMENTS)}")
+        parser.error(f"--only: unknown experiment(s) {', '.join(unknown)}; "
+                     f"choose from {', '.join(EXPERIMENTS)}")
     shared = ["--results-dir", str(args.results_dir)] + (["--no-save"] if args.no_save else [])
     outcomes = []
     for name in names:
