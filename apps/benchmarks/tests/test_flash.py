@@ -9,39 +9,28 @@ from benchmarks.flash import add_ratios, forward_flops, geomean_summary, main, p
 
 def test_tiny_sweep_writes_every_cell(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    main(
-        [
-            "--seq",
-            "64,96",
-            "--dims",
-            "16",
-            "--dtypes",
-            "float32",
-            "--shapes",
-            "",
-            "--impls",
-            "triton,torch,naive,sdpa-flash,sdpa-cudnn",
-            "--naive-max-seq",
-            "64",
-            "--warmup",
-            "1",
-            "--rep",
-            "5",
-            "--results-dir",
-            str(tmp_path),
-        ]
-    )
-    df, meta = read_results(tmp_path / "cpu" / "flash.csv")
-    assert meta["command"].startswith("python -m benchmarks.flash --seq 64,96")
+    argv = ["--device", "cpu", "--seq", "64,96", "--dims", "16", "--dtypes", "float32", "--shapes", "",
+            "--impls", "triton,torch,naive,sdpa-flash,sdpa-cudnn", "--naive-max-seq", "64",
+            "--warmup", "1", "--rep", "5", "--results-dir", str(tmp_path)]  # fmt: skip
+    main(argv)
+    (path,) = tmp_path.glob("*/flash.csv")  # under this machine's device name
+    df, meta = read_results(path)
+    assert meta["command"].startswith("python -m benchmarks.flash --device cpu --seq 64,96")
     assert len(df) == 2 * 5
     cells = df.set_index(["T", "impl"])
     for seq in (64, 96):
         assert float(cells.loc[(seq, "torch"), "fwd ms"]) > 0
         assert float(cells.loc[(seq, "sdpa-flash"), "fwd+bwd x flash"]) == 1.0
-        assert cells.loc[(seq, "triton"), "bwd ms"] == "unsupported"  # no GPU, no interpreter
+        assert cells.loc[(seq, "triton"), "bwd ms"] == "unsupported"  # CPU tensors, no interpreter
         assert cells.loc[(seq, "sdpa-cudnn"), "fwd ms"] == "unsupported"
     assert float(cells.loc[(64, "naive"), "bwd ms"]) > 0
     assert cells.loc[(96, "naive"), "fwd ms"] == "skipped"
+
+
+def test_max_minutes_skips_what_is_left(tmp_path):
+    df = main(["--device", "cpu", "--seq", "64", "--dims", "16", "--dtypes", "float32", "--shapes", "",
+               "--impls", "naive,sdpa-flash", "--max-minutes", "0", "--no-save"])  # fmt: skip
+    assert (df["fwd ms"] == "skipped").all()
 
 
 def test_ratios_and_tflops_from_times():

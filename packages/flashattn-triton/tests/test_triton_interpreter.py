@@ -19,7 +19,10 @@ from flashattn_triton.triton_impl import _interpreted
 
 
 def test_triton_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("the interpreter of Triton < 3.9 fails on these kernels' tensor descriptors (seen "
+                    "with 3.6: 'only 0-dimensional arrays can be converted to Python scalars'); CI has 3.9")
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(

@@ -290,10 +290,10 @@ def geomean_summary(df: pd.DataFrame, passes: list[str], min_seq: int) -> list[s
 
 
 def build_shapes(args) -> list[Shape]:
-    shapes = [
-        Shape(args.batch, seq, d, dtype) for dtype in args.dtypes for d in args.dims for seq in args.seq
-    ]
-    shapes += [Shape(*parse_shape(text), "bfloat16") for text in args.shapes]
+    """The extra shapes first (they matter most when --max-minutes cuts a run short), then the sweep."""
+    shapes = [Shape(*parse_shape(text), "bfloat16") for text in args.shapes]
+    for dtype in args.dtypes:
+        shapes += [Shape(args.batch, seq, d, dtype) for d in args.dims for seq in args.seq]
     return list(dict.fromkeys(shapes))
 
 
@@ -341,8 +341,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--rep", type=float, default=50.0, help="do_bench measuring time, ms")
     parser.add_argument("--geomean-min-seq", type=int, default=1024, help="geometric means over T >= this")
     parser.add_argument("--name", default="flash", help="results file name (for runs of different sweeps)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no cell after this long; the cells left read 'skipped'")
     args = parse_args(parser, argv)
-    dev = device()
+    dev = torch.device(args.device) if args.device else device()
     preset = (QUICK_GPU if dev.type == "cuda" else QUICK_CPU) if args.quick else DEFAULTS
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -352,10 +355,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     shapes = build_shapes(args)
     cells = [(shape, impl) for shape in shapes for impl in args.impls]
     rows = []
+    deadline = math.inf if args.max_minutes is None else time.perf_counter() + args.max_minutes * 60
     with progress() as bar:
         for shape, impl in bar.track(cells, description="timing"):
             fn = attention_fn(impl, dev)
             reason = NOT_AVAILABLE if fn is None else skip_reason(impl, shape, args)
+            if time.perf_counter() > deadline:
+                reason = SKIPPED
             times = (
                 dict.fromkeys(args.passes, reason)
                 if reason

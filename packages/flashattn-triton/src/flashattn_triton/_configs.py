@@ -49,26 +49,27 @@ INTERPRETER_FORWARD = ForwardConfig(32, 16, 4, 1)
 INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 
 F, B = ForwardConfig, BackwardConfig
-# Candidates per (block_d, bytes per element), the default first; the launcher times them once per
-# problem size class and keeps the fastest (PERF.md has the measurements). Each list holds only
-# configs whose sm_90 build spills no registers (or spills least, for float32's 3-pass products).
+# Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
+# per problem size class and keeps the fastest. Each was measured on an H100 (PERF.md) and builds for
+# sm_90 without register spills, except float32's: its 3-pass TF32 products spill in the backward.
+# float32 uses no 16-row tiles: with Triton 3.6 on an H100 they fault (illegal memory access).
 _FORWARD = {
-    (64, 2): [F(128, 64, 4, 3), F(128, 64, 8, 3), F(128, 128, 8, 3), F(64, 64, 4, 3), F(128, 32, 4, 4)],
-    (128, 2): [F(128, 64, 8, 3), F(128, 128, 8, 2), F(64, 64, 4, 3), F(128, 64, 4, 3), F(64, 128, 4, 2)],
-    (256, 2): [F(64, 32, 4, 2), F(64, 64, 8, 2)],
-    (32, 4): [F(64, 64, 4, 2), F(64, 32, 4, 2)],
+    (64, 2): [F(64, 64, 4, 3), F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 8, 3)],
+    (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
+    (256, 2): [F(64, 32, 4, 2)],
+    (32, 4): [F(64, 64, 4, 2)],
     (64, 4): [F(64, 32, 4, 2), F(128, 32, 8, 2), F(64, 32, 8, 2)],
-    (128, 4): [F(64, 32, 8, 2), F(64, 32, 4, 2), F(64, 16, 4, 2)],
-    (256, 4): [F(32, 32, 4, 1), F(64, 16, 8, 1)],
+    (128, 4): [F(64, 32, 8, 2), F(64, 32, 4, 2)],
+    (256, 4): [F(64, 32, 8, 1)],
 }
 _BACKWARD = {
-    (64, 2): [B(32, 128, 4, 3), B(32, 128, 8, 3), B(64, 128, 8, 2), B(32, 64, 4, 3), B(32, 128, 8, 3, True)],
-    (128, 2): [B(32, 128, 8, 2), B(32, 64, 4, 3), B(64, 128, 8, 2), B(16, 64, 4, 3), B(32, 128, 8, 2, True)],
-    (256, 2): [B(16, 64, 8, 1), B(16, 32, 4, 2)],
-    (32, 4): [B(32, 64, 4, 2), B(16, 64, 4, 2)],
-    (64, 4): [B(32, 128, 8, 2), B(32, 64, 8, 2), B(16, 64, 8, 2), B(32, 128, 8, 2, True)],
-    (128, 4): [B(16, 64, 8, 1), B(32, 64, 8, 1), B(16, 32, 8, 2)],
-    (256, 4): [B(16, 32, 4, 1), B(16, 16, 8, 1)],
+    (64, 2): [B(32, 64, 4, 3), B(64, 128, 8, 2), B(32, 128, 8, 3), B(32, 128, 4, 3), B(32, 128, 8, 3, True)],
+    (128, 2): [B(64, 128, 8, 2), B(32, 128, 8, 2), B(32, 64, 4, 3)],
+    (256, 2): [B(16, 64, 8, 1)],
+    (32, 4): [B(32, 64, 4, 2)],
+    (64, 4): [B(32, 128, 8, 2), B(32, 64, 8, 2)],
+    (128, 4): [B(32, 64, 8, 1)],
+    (256, 4): [B(32, 32, 8, 1)],
 }
 
 
