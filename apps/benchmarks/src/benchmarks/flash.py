@@ -298,8 +298,7 @@ def build_shapes(args) -> list[Shape]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = make_parser("flash", __doc__.splitlines()[0])
-    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser = make_parser("flash", __doc__)
     parser.add_argument(
         "--quick",
         action="store_true",
