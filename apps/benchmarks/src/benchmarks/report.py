@@ -169,6 +169,10 @@ class Context:
             plt.close(fig)
             return None
         path = self.out_dir / f"{name}.png"
+        copies = 1
+        while path in self.plots:  # two results files of one experiment: keep both plots
+            copies += 1
+            path = self.out_dir / f"{name}_{copies}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
@@ -417,7 +421,7 @@ def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True,
     ax.grid(True, which="both", alpha=0.3)
     xs = sorted({x for line in ax.get_lines() for x in line.get_xdata() if x > 0 and math.isfinite(x)})
     if logx and 0 < len(xs) <= 12:  # few measured sizes: tick exactly those
-        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.set_xticks(xs, [f"{x:g}" for x in xs], rotation=45 if len(xs) > 6 else 0)
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         logx = False  # ticks are set: leave the minor formatter alone
     for axis, limits, log in ((ax.xaxis, ax.get_xlim(), logx), (ax.yaxis, ax.get_ylim(), logy)):
@@ -543,10 +547,12 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
     ooms = first_oom(df, "step ms", "context", ["size", *variants])
     lines.append(f"- Out of memory: {'; '.join(ooms)}." if ooms else "- No configuration ran out of memory.")
     plot = e2e_plot(ctx, f, df, variants)
-    return lines + ["", plot]
+    return lines + (["", plot] if plot else [])
 
 
-def e2e_plot(ctx: Context, f: ResultFile, df: pd.DataFrame, variants: list[str]) -> str:
+def e2e_plot(ctx: Context, f: ResultFile, df: pd.DataFrame, variants: list[str]) -> str | None:
+    if numeric(df["context"]).nunique() < 2:  # one context length: the table says it all
+        return None
     fig, (ax,) = axes()
     sizes = list(dict.fromkeys(df["size"]))
     colors = plt.get_cmap("viridis")([i / max(1, len(sizes) - 1) * 0.9 for i in range(len(sizes))])
@@ -814,7 +820,8 @@ def flash_section(ctx: Context, f: ResultFile) -> list[str]:
         if len(times):
             lines.append(f"- Shape {key[0]}x{key[1]}x{key[2]} {key[3]}, {main_pass}: "
                          + ", ".join(f"{r.impl} {r.ms:.3g} ms" for r in times.itertuples()) + ".")
-    lines += ["", flash_speedup_plot(ctx, df, sweep, passes), flash_time_plot(ctx, sweep, main_pass)]
+    lines += ["", flash_speedup_plot(ctx, f.name, df, sweep, passes),
+              flash_time_plot(ctx, f.name, sweep, main_pass)]
     return lines
 
 
@@ -842,22 +849,25 @@ def flash_digest(sweep: pd.DataFrame, p: str) -> pd.DataFrame:
     return table.reset_index().rename(columns={"T": f"T (d={d}, {dtype}, {p} ms)"})
 
 
-def flash_speedup_plot(ctx: Context, df: pd.DataFrame, sweep: pd.DataFrame, passes: list[str]) -> str | None:
+def flash_speedup_plot(ctx: Context, name: str, df: pd.DataFrame, sweep: pd.DataFrame,
+                       passes: list[str]) -> str | None:
     fig, panels = axes(len(passes))
     triton = sweep[sweep["impl"] == "triton"]
     for ax, p in zip(panels, passes, strict=True):
         for (dtype, d), rows in triton.groupby(["dtype", "d"], sort=False):
+            # An extra shape can repeat a sweep cell (1x65536x128): one point per T, in order.
+            rows = rows.drop_duplicates("T", keep="last").sort_values("T")
             base = flash_baseline(df, rows)
             if base and f"{p} x {base}" in rows:
                 ax.plot(numeric(rows["T"]), numeric(rows[f"{p} x {base}"]), "-" if dtype == "bfloat16"
                         else "--", marker="o", ms=3, label=f"{dtype} d={d} vs sdpa-{base}")
-        ax.axhline(1, color="black", lw=1)  # unlabelled: an empty figure stays empty
         style(ax, "sequence length T", "speedup (SDPA time / Triton time)", f"Triton over SDPA, {p}",
               base_x=2, logy=False)
-    return ctx.figure("flash_speedup", fig, "Triton FlashAttention speedup over SDPA")
+        ax.axhline(1, color="black", lw=1)  # after style(): not a measured size to tick, no legend entry
+    return ctx.figure(f"{name}_speedup", fig, f"{name}: Triton FlashAttention speedup over SDPA")
 
 
-def flash_time_plot(ctx: Context, sweep: pd.DataFrame, p: str) -> str:
+def flash_time_plot(ctx: Context, name: str, sweep: pd.DataFrame, p: str) -> str:
     digest = flash_digest(sweep, p)
     fig, (ax,) = axes()
     t = digest.columns[0]
@@ -866,7 +876,7 @@ def flash_time_plot(ctx: Context, sweep: pd.DataFrame, p: str) -> str:
         if times.notna().any():  # an implementation that does not run here gets no legend entry
             ax.plot(digest[t], times, marker="o", ms=3, label=impl)
     style(ax, "sequence length T", f"{p} time (ms)", t.removeprefix("T "), base_x=2)
-    return ctx.figure("flash_time", fig, "attention implementations: time against sequence length")
+    return ctx.figure(f"{name}_time", fig, f"{name}: attention implementations, time against sequence length")
 
 
 # --- allreduce ------------------------------------------------------------------------------------
