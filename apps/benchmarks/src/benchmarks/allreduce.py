@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from benchmarks.common import console, int_list, make_parser, parse_args, print_table, save_results, str_list
 from benchmarks.launch import launch, tensor_device, under_torchrun
+from profkit import synchronize
 
 TOUR_ARGS = ["--backends", "gloo", "--world-sizes", "2", "--sizes-mb", "1,10", "--iters", "5"]
 MiB = 2**20
@@ -49,11 +50,6 @@ def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * size_bytes / seconds
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(backend: str, sizes_mb: list[int], warmup: int, iters: int) -> list[dict[str, object]]:
     """Run on every rank (identical collectives everywhere): one backend's rows at this world size."""
     device = tensor_device(backend)
@@ -67,12 +63,12 @@ def measure(backend: str, sizes_mb: list[int], warmup: int, iters: int) -> list[
             dist.all_reduce(tensor)
         seconds = []
         for _ in range(calls):
-            _synchronize(device)
+            synchronize(device)
             dist.barrier()
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             dist.all_reduce(tensor)
-            _synchronize(device)
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
         slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -96,16 +96,6 @@ def measure(attend: Any, batch_size: int, seq_len: int, head_dim: int, dtype: to
             "mem MiB": in_use[-1] / 2**20 if in_use else ""}
 
 
-def _cause_is_oom(exc: BaseException) -> bool:
-    """Whether exc, or what it wraps (compiler errors wrap the real one), ran out of device memory."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if is_oom(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def compiled_cell(args: argparse.Namespace, seq_len: int, head_dim: int, dev: torch.device) -> dict[str, Any]:
     """The compiled variant: a fresh compile per shape; OOM, or the reason compiling failed, as the cell."""
     # A fresh compile per shape: never the silent eager fallback that hitting the recompile limit gives.
@@ -115,7 +105,7 @@ def compiled_cell(args: argparse.Namespace, seq_len: int, head_dim: int, dev: to
         return measure(attend, args.batch_size, seq_len, head_dim, DTYPES[args.dtype], args.warmup,
                        args.passes, dev)
     except Exception as exc:
-        if _cause_is_oom(exc):
+        if is_oom(exc):
             free_device_memory()
             return {"fwd ms": OOM, "bwd ms": OOM, "mem MiB": OOM}
         message = str(exc).strip().splitlines()[0][:80] if str(exc).strip() else ""

@@ -126,10 +126,15 @@ def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> N
 
 
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "OutOfResources" in text)
+    """Whether exc, or an error it wraps (torch.compile wraps the real one), ran out of device memory."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, torch.OutOfMemoryError) or (
+                isinstance(seen, RuntimeError) and ("out of memory" in text or "OutOfResources" in text)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def or_oom(fn: Callable[[], T]) -> T | str:

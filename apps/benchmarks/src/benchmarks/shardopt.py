@@ -28,7 +28,6 @@ Spawns its workers itself (benchmarks.launch), or runs under torchrun:
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.common import (
     console,
     device_name,
+    free_device_memory,
     make_parser,
     parse_args,
     print_table,
@@ -146,7 +146,7 @@ class Workload:
 def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch.device,
             rank: int) -> dict[str, Any]:
     """Memory at the three moments and the times of one optimizer, on this rank."""
-    free_memory(device)
+    free_device_memory()
     reset_peak_memory(device)
     work = Workload(kind, cfg, args, device, rank)
     memory = {"after init": breakdown(work.model, work.optimizer, device)}
@@ -163,14 +163,8 @@ def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch
               "step_s": timings["optimizer step"].mean,
               "largest_param_state": max(state_bytes_per_param(work.optimizer, device), default=0)}
     del work
-    free_memory(device)
+    free_device_memory()
     return record
-
-
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # --- tables ---------------------------------------------------------------------------------------
