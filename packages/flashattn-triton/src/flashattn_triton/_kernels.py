@@ -56,6 +56,17 @@ def _store_tile(desc, z, h, row, tile, BLOCK_T: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit
+def _add_tile(acc, bh, z, h, rows_per_head, row, tile, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """acc[z, h, row:row + BLOCK_T] += tile atomically: one TMA reduction if the host passed a
+    descriptor (Hopper), else element atomics into the contiguous float32 (Z * H, rows, BLOCK_D) at acc."""
+    if isinstance(acc, tl.tensor_descriptor):
+        acc.atomic_add([z, h, row, 0], tile.reshape(1, 1, BLOCK_T, BLOCK_D))
+    else:
+        offs = (row + tl.arange(0, BLOCK_T))[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        tl.atomic_add(acc + bh.to(tl.int64) * rows_per_head * BLOCK_D + offs, tile, sem="relaxed")
+
+
+@triton.jit
 def _load_rows(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
     if CHECK_ROWS:
         values = tl.load(ptrs, mask=rows < n_rows, other=other)
@@ -170,15 +181,14 @@ def attn_bwd_preprocess(
 
 @triton.jit
 def _bwd_query_tiles(
-    dk, dv, k, v, q_desc, do_desc, z, h, l_ptrs, delta_ptrs, dq_acc_ptrs, offs_n, lo, hi, seqlen_q, qk_scale,
+    dk, dv, k, v, q_desc, do_desc, bh, z, h, l_ptrs, delta_ptrs, dq_acc, dq_acc_rows, offs_n, lo, hi, seqlen_q,
+    qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ, added atomically to a float32 buffer padded to whole tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    dq_acc_ptrs += offs_m0[:, None] * BLOCK_D + offs_d[None, :]
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m0
@@ -197,7 +207,7 @@ def _bwd_query_tiles(
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION)
-            tl.atomic_add(dq_acc_ptrs + start_m * BLOCK_D, dq, sem="relaxed")
+            _add_tile(dq_acc, bh, z, h, dq_acc_rows, start_m, dq, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
@@ -274,7 +284,6 @@ def attn_bwd(
                        BLOCK_N, BLOCK_D)  # fmt: skip
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dq_acc = DQ_ACC + bh.to(tl.int64) * dq_acc_rows * BLOCK_D
         full_end = (seqlen_q // BLOCK_M) * BLOCK_M
         if CAUSAL:
             # Query rows before `start` see none of these keys; query tiles that begin at or after
@@ -282,7 +291,7 @@ def attn_bwd(
             first = (start // BLOCK_M) * BLOCK_M
             diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
             dk, dv = _bwd_query_tiles(
-                dk, dv, k, v, q_step, do_step, z, h, l_base, delta_base, dq_acc, offs_n, first,
+                dk, dv, k, v, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n, first,
                 tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
                 BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, INPUT_PRECISION,
             )  # fmt: skip
@@ -290,12 +299,12 @@ def attn_bwd(
         else:
             unmasked_start = 0
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, v, q_step, do_step, z, h, l_base, delta_base, dq_acc, offs_n, unmasked_start,
+            dk, dv, k, v, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n, unmasked_start,
             full_end, seqlen_q, qk_scale, BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, INPUT_PRECISION,
         )  # fmt: skip
         # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, v, q_step, do_step, z, h, l_base, delta_base, dq_acc, offs_n,
+            dk, dv, k, v, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n,
             tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale,
             BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, INPUT_PRECISION,
         )  # fmt: skip

@@ -264,14 +264,15 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         tiles = -(-seqlen_k // c.block_n)
         if c.atomic_dq:
             if dq_acc.numel() == 0:
-                dq_acc = torch.empty(batch * heads, dq_acc_rows, block_d, dtype=lse.dtype, device=q.device)
+                dq_acc = torch.empty(batch, heads, dq_acc_rows, block_d, dtype=lse.dtype, device=q.device)
             dq_acc.zero_()
         else:
             tiles = max(tiles, -(-seqlen_q // c.block_n))
         step = [_tiles(t, c.block_m, block_d, host) for t in (q4, do4, k4, v4)]
         own = [_tiles(t, c.block_n, block_d, host) for t in (q4, do4, k4, v4, dq4, dk4, dv4)]
         kernels.attn_bwd[(tiles * batch * heads,)](
-            *step, *own, lse, delta, dq_acc, batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
+            *step, *own, lse, delta, _tiles(dq_acc, c.block_m, block_d, host and q.is_cuda) if c.atomic_dq else dq_acc,
+            batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
             scale * kernels.LOG2E, scale,
             BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d, CAUSAL=is_causal, ATOMIC_DQ=c.atomic_dq,
             INPUT_PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages,
@@ -289,7 +290,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         )  # fmt: skip
         used = _run(run, backward_candidates(block_d, q.element_size(), _interpreted()), key, config)
     if used.atomic_dq:
-        dq4.copy_((dq_acc[:, :seqlen_q, :head_dim] * scale).view(dq4.shape))
+        dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim] * scale)
     d = q.shape[-1]
     return dq4[..., :d].reshape(q.shape), dk4[..., :d].reshape(k.shape), dv4[..., :d].reshape(v.shape)
 
