@@ -19,6 +19,13 @@ from flashattn_triton.triton_impl import triton_backward, triton_forward
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_triton_interpreter.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
 
+
+
+@pytest.fixture(autouse=True)
+def no_plans_from_earlier_tests(monkeypatch):
+    monkeypatch.setattr(triton_impl, "_plans", {})
+
+
 CASES = [  # (leading dims, Tq, Tk, d, causal, layout, dtype)
     ((2, 3), 50, 37, 32, True, "contiguous", torch.float32),
     ((2,), 33, 70, 16, False, "transposed", torch.float32),
@@ -81,7 +88,7 @@ def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(pr
 
 def test_device_side_descriptors(problem, monkeypatch):
     """The path of GPUs older than Hopper: the kernels build their descriptors from pointers."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, pairs: False)
     p = problem((2, 2), 40, 27, 24, torch.float32, True, layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)

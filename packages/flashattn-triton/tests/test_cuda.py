@@ -40,9 +40,11 @@ def case_id(case) -> str:
 
 @pytest.fixture(autouse=True)
 def float32_matmuls_in_full_precision_and_default_configs(monkeypatch):
-    """Full float32 precision, and each kernel's first candidate config unless a test asks for tuning
-    (test_every_candidate covers the others; tuning them all in every test would only cost time)."""
+    """Full float32 precision, each kernel's first candidate config unless a test asks for tuning
+    (test_every_candidate covers the others; tuning them all in every test would only cost time), and
+    no launch plans from earlier tests."""
     monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(triton_impl, "_plans", {})
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     yield
@@ -55,8 +57,12 @@ def poison_allocator() -> None:
     del block
 
 
+@pytest.mark.parametrize("descriptors", ["kernel-built", "host-built"])
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_triton_matches_float64_reference(problem, case):
+def test_triton_matches_float64_reference(problem, case, descriptors, monkeypatch):
+    """Every case both ways: these small problems get kernel-built descriptors unless forced."""
+    if descriptors == "host-built":
+        monkeypatch.setattr(triton_impl, "HOST_DESCRIPTORS_MIN_PAIRS", 0)
     dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
     q, k, v = p.inputs()
@@ -195,11 +201,39 @@ def test_backward_variants(problem, config, dtype, head_dim):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
+def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
+    """A layout's first call goes through Triton's JIT (3 kernels: forward, D, backward), its later
+    calls launch the compiled kernels directly; a layout that differs only in what the JIT specializes
+    on (T % 16, a base address off 16 bytes) gets a plan of its own and stays exact."""
+    kernels = triton_impl._kernels()
+    jit_runs = []
+    for fn in (kernels.attn_fwd, kernels.attn_bwd_preprocess, kernels.attn_bwd):
+        monkeypatch.setattr(fn, "run", lambda *a, _run=fn.run, **kw: jit_runs.append(1) or _run(*a, **kw))
+
+    def misaligned(t: torch.Tensor) -> torch.Tensor:  # same values, 2 bytes past a 16-byte boundary
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        return storage[1:].view(t.shape).copy_(t).detach().requires_grad_()
+
+    runs_per_call = []
+    for seqlen, shift in [(1024, False), (1024, False), (1000, False), (1000, False), (1000, True)]:
+        p = problem((1, 2), seqlen, seqlen, 64, torch.bfloat16, True, device="cuda")
+        q, k, v = p.inputs()
+        if shift:
+            q, k, v = (misaligned(t) for t in (q, k, v))
+            assert q.data_ptr() % 16 != 0
+        out = FlashAttentionTriton.apply(q, k, v, True)
+        out.backward(p.grad_out)
+        p.check(out, q, k, v)
+        runs_per_call.append(len(jit_runs))
+        jit_runs.clear()
+    assert runs_per_call == [3, 0, 3, 0, 3]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_device_side_descriptors(problem, monkeypatch, dtype):
     """The path of GPUs older than Hopper, here on Hopper: the kernels build their descriptors (TMA in
     scratch memory from triton.set_allocator) from pointers to contiguous copies."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, pairs: False)
     p = problem((2, 2), 300, 200, 64, dtype, True, device="cuda", layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)

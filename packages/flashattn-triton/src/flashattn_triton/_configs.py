@@ -54,7 +54,7 @@ F, B = ForwardConfig, BackwardConfig
 # sm_90 without register spills, except float32's: its 3-pass TF32 products spill in the backward.
 # float32 uses no 16-row tiles: with Triton 3.6 on an H100 they fault (illegal memory access).
 _FORWARD = {
-    (64, 2): [F(64, 64, 4, 3), F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 8, 3)],
+    (64, 2): [F(64, 64, 4, 3), F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 3)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
     (256, 2): [F(64, 32, 4, 2)],
     (32, 4): [F(64, 64, 4, 2)],

@@ -181,13 +181,14 @@ def attn_bwd_preprocess(
 
 @triton.jit
 def _bwd_query_tiles(
-    dk, dv, k, v, q_desc, do_desc, bh, z, h, l_ptrs, delta_ptrs, dq_acc, dq_acc_rows, offs_n, lo, hi, seqlen_q,
-    qk_scale,
+    dk, dv, k, v, k_dq, q_desc, do_desc, bh, z, h, l_ptrs, delta_ptrs, dq_acc, dq_acc_rows, offs_n, lo, hi,
+    seqlen_q, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
-    ATOMIC_DQ also this tile's share of dQ, added atomically to a float32 buffer padded to whole tiles."""
+    ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K), added atomically to a
+    float32 buffer padded to whole tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -206,7 +207,7 @@ def _bwd_query_tiles(
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=INPUT_PRECISION)
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k_dq, input_precision=INPUT_PRECISION)
             _add_tile(dq_acc, bh, z, h, dq_acc_rows, start_m, dq, BLOCK_M, BLOCK_D)
     return dk, dv
 
@@ -253,10 +254,10 @@ def attn_bwd(
     work when i is small and query tile i when i is large, so every program does about the same work.
     Grid: (max(key tiles, query tiles) * Z * H,).
 
-    With ATOMIC_DQ the dK/dV loop also adds each dQ share into DQ_ACC (float32, zeroed, (Z * H,
-    dq_acc_rows, BLOCK_D), dq_acc_rows a multiple of BLOCK_M >= seqlen_q) with atomics and the dQ
-    phase is skipped: 5 matrix products per tile pair instead of 7, paid for in atomic traffic.
-    Grid: (key tiles * Z * H,).
+    With ATOMIC_DQ the dK/dV loop also adds each (already scaled) dQ share into DQ_ACC (float32,
+    zeroed, (Z, H, dq_acc_rows, BLOCK_D), dq_acc_rows a multiple of BLOCK_M >= seqlen_q) and the dQ
+    phase is skipped: 5 matrix products per tile pair instead of 7, paid for in reduction traffic (TMA
+    reductions when DQ_ACC is a descriptor, element atomics when a pointer). Grid: (key tiles * Z * H,).
 
     Q_S, DO_S, K_S, V_S move tiles of BLOCK_M rows (the steps); Q_T, DO_T, K_T, V_T, DQ, DK, DV tiles
     of BLOCK_N rows (the program's own).
@@ -282,6 +283,10 @@ def attn_bwd(
                        BLOCK_N, BLOCK_D)  # fmt: skip
         v = _load_tile(_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                        BLOCK_N, BLOCK_D)  # fmt: skip
+        if ATOMIC_DQ:  # the softmax scale of dQ, folded into its keys once instead of into every share
+            k_dq = (k.to(tl.float32) * scale).to(k.dtype)
+        else:
+            k_dq = k
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         full_end = (seqlen_q // BLOCK_M) * BLOCK_M
@@ -291,20 +296,21 @@ def attn_bwd(
             first = (start // BLOCK_M) * BLOCK_M
             diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
             dk, dv = _bwd_query_tiles(
-                dk, dv, k, v, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n, first,
-                tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
+                dk, dv, k, v, k_dq, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows,
+                offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
                 BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, INPUT_PRECISION,
             )  # fmt: skip
             unmasked_start = diagonal_end
         else:
             unmasked_start = 0
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, v, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n, unmasked_start,
-            full_end, seqlen_q, qk_scale, BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, INPUT_PRECISION,
+            dk, dv, k, v, k_dq, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n,
+            unmasked_start, full_end, seqlen_q, qk_scale, BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ,
+            INPUT_PRECISION,
         )  # fmt: skip
         # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, v, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n,
+            dk, dv, k, v, k_dq, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n,
             tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale,
             BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, INPUT_PRECISION,
         )  # fmt: skip

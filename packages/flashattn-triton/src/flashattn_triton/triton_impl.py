@@ -97,30 +97,41 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _host_descriptors(device: torch.device) -> bool:
-    """Whether the host builds the tensor descriptors (TMA on Hopper and later; the interpreter).
-    Older GPUs get pointers to contiguous tensors, and the kernels build the descriptors."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+# Below this many query-key pairs (B * H * Tq * Tk; T = 8192 at B * H = 1) the kernels build their
+# own tensor descriptors. A host-built one costs ~15 us of Python and a driver call (4 per forward,
+# 11 per backward): more than such a kernel runs. Above it the host builds them, which spares every
+# program a descriptor write and fence (1-5% of a large problem, PERF.md run 4).
+HOST_DESCRIPTORS_MIN_PAIRS = 8192 * 8192
+
+
+def _host_descriptors(device: torch.device, pairs: int) -> bool:
+    """Whether the host builds the tensor descriptors of a problem of `pairs` query-key pairs: on
+    Hopper and later for large problems, and for the interpreter. Otherwise the kernels get pointers
+    to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
+    if device.type != "cuda":
+        return True
+    return pairs >= HOST_DESCRIPTORS_MIN_PAIRS and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
     """x as (Z, H, T, head_dim) that the kernels can address: padded with zeros along d if head_dim
     is larger, and copied only if its layout is one a descriptor cannot describe."""
+    if x.dim() == 4 and x.shape[-1] == head_dim and x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x  # the common case, checked first: it is on every call's path
     x4 = _as_4d(x)
     if x4.shape[-1] < head_dim:
         x4 = F.pad(x4, (0, head_dim - x4.shape[-1]))
-    if not host:
-        return x4.contiguous()
     size = x4.element_size()
-    addressable = (
-        x4.stride(-1) == 1
-        and x4.data_ptr() % 16 == 0
+    addressable = x4.data_ptr() % 16 == 0 and (
+        x4.is_contiguous()
+        if not host
+        else x4.stride(-1) == 1
         and all(
             n == 1 or (stride > 0 and stride * size % 16 == 0)
             for n, stride in zip(x4.shape[:-1], x4.stride()[:-1], strict=True)
         )
     )
-    return x4 if addressable else x4.contiguous()
+    return x4 if addressable else x4.clone(memory_format=torch.contiguous_format)
 
 
 def _tiles(x4: torch.Tensor, rows: int, block_d: int, host: bool) -> Any:
@@ -136,18 +147,23 @@ def _tiles(x4: torch.Tensor, rows: int, block_d: int, host: bool) -> Any:
     return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, rows, block_d])
 
 
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _set_allocator() -> None:
-    """Device-side descriptors live in scratch memory that Triton asks the host to allocate."""
+    """Kernel-built descriptors live in scratch memory that Triton asks the host to allocate. Set on
+    every such call: Triton keeps the allocator in a context variable, and autograd runs the backward
+    in a thread of its own."""
     import triton
 
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    triton.set_allocator(_scratch)
 
 
 def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-_chosen: dict[Any, ForwardConfig | BackwardConfig] = {}
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _autotune_enabled() -> bool:
@@ -166,17 +182,73 @@ def _describe(config: ForwardConfig | BackwardConfig) -> str:
     return "/".join(str(int(x)) for x in dataclasses.astuple(config))
 
 
-def _run(run: Callable[[Config], None], candidates: list[Config], key: Any, config: Config | None) -> Config:
-    """run(c) with `config` if given, else the fastest candidate for `key` (timed on first use, once per
-    process, unless FLASHATTN_TRITON_AUTOTUNE=0 or under CUDA graph capture; the timings go to stderr
-    with FLASHATTN_TRITON_AUTOTUNE_LOG=1); a config that does not fit this GPU's shared memory steps
-    down through smaller(). Returns the config that ran."""
-    from triton.runtime.errors import OutOfResources
+class _Launcher:
+    """One kernel with one config and grid. The first call goes through Triton's JIT, which compiles
+    (or finds) the specialization for its arguments; later calls launch that compiled kernel directly,
+    skipping the JIT's per-call work of binding and specializing every argument (most of a small
+    problem's host time). Sound only for arguments the JIT would specialize the same way: a _Launcher
+    belongs to one _Plan, whose key holds every tensor's shape, strides, dtype and 16-byte alignment."""
 
-    if config is None:
-        config = _chosen.get(key)
+    def __init__(self, kernel: Any, grid: tuple[int, ...], config: ForwardConfig | BackwardConfig | None):
+        self.kernel = kernel
+        self.grid = (*grid, 1, 1)[:3]
+        self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
+        self.compiled: Callable[..., None] | None = None
+
+    def __call__(self, *args: Any) -> None:
+        if self.compiled is not None:
+            self.compiled(*args)
+            return
+        compiled = self.kernel[self.grid](*args, **self.options)
+        if hasattr(compiled, "function"):  # under the interpreter there is no compiled kernel to keep
+            self.compiled = compiled[self.grid]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """How one problem layout runs, worked out on its first call and reused by every later call with
+    the same key: the descriptor mode, the config (tuned once per size class) and its launchers."""
+
+    host: bool
+    head_dim: int
+    block_d: int
+    precision: str
+    config: Any = None
+    launch: _Launcher | None = None
+    preprocess: _Launcher | None = None
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 4096  # a process seeing ever new lengths starts over rather than growing without bound
+_chosen: dict[Any, ForwardConfig | BackwardConfig] = {}
+
+
+def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
+          config: Any) -> tuple[tuple, _Plan]:
+    """The plan of this call's layout (created, not yet run, on the first call with it) and its key."""
+    precision = _input_precision(q.dtype)
+    key = (pass_name, q.dtype, q.device, is_causal, precision, config,
+           *((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        head_dim = _padded_head_dim(q.shape[-1], q.element_size())
+        pairs = q.shape[:-1].numel() * tensors[1].shape[-2]
+        host = _host_descriptors(q.device, pairs)
+        plan = _plans[key] = _Plan(host, head_dim, _block_d(head_dim), precision, config)
+    return key, plan
+
+
+def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -> Config:
+    """The fastest candidate for `key` (timed with run(c) on first use, once per process, unless
+    FLASHATTN_TRITON_AUTOTUNE=0 or under CUDA graph capture; the timings go to stderr with
+    FLASHATTN_TRITON_AUTOTUNE_LOG=1), else the first."""
+    config = _chosen.get(key)
+    if config is not None:
+        return config
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if config is None and len(candidates) > 1 and _autotune_enabled() and not capturing:
+    if len(candidates) > 1 and _autotune_enabled() and not capturing:
         from triton.testing import do_bench
 
         times = {}
@@ -191,15 +263,47 @@ def _run(run: Callable[[Config], None], candidates: list[Config], key: Any, conf
             if os.environ.get("FLASHATTN_TRITON_AUTOTUNE_LOG"):
                 timings = ", ".join(f"{_describe(c)} {ms:.4f} ms" for c, ms in times.items())
                 print(f"flashattn_triton tuned {key}: {timings} -> {_describe(config)}", file=sys.stderr)
-    config = config or candidates[0]
+    return config or candidates[0]
+
+
+def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple],
+         candidates: list[Config], tune_key: Any) -> Config:
+    """Launch the plan's kernel with args(config). On the plan's first run the config is chosen (the
+    plan's own, else tuned) and its launcher made; a config that does not fit this GPU's shared
+    memory steps down through smaller(). Returns the config that ran."""
+    if plan.launch is None:
+        if plan.config is None:
+            # One launcher per candidate, so that the timed calls after the first launch directly, as
+            # every later call of the plan will: small problems would otherwise time the JIT's host work.
+            launchers: dict[Config, _Launcher] = {}
+
+            def run(c: Config) -> None:
+                launchers.setdefault(c, launcher(c))(*args(c))
+
+            plan.config = _choose(run, candidates, tune_key)
+            plan.launch = launchers.get(plan.config)
+        plan.launch = plan.launch or launcher(plan.config)
     while True:
         try:
-            run(config)
-            return config
-        except OutOfResources:
-            config = smaller(config)
-            if config is None:
+            plan.launch(*args(plan.config))
+            return plan.config
+        except _out_of_resources():
+            plan.config = smaller(plan.config)
+            if plan.config is None:
                 raise
+            plan.launch = launcher(plan.config)
+
+
+@functools.cache
+def _out_of_resources() -> type[Exception]:
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources
+
+
+def _tune_key(pass_name: str, plan: _Plan, q: torch.Tensor, is_causal: bool, seqlen: int, batch_heads: int):
+    return (pass_name, q.device, plan.block_d, q.dtype, is_causal, plan.precision, _size_class(seqlen),
+            _size_class(batch_heads))  # fmt: skip
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
@@ -210,32 +314,28 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format), lse
-    host = _host_descriptors(q.device)
-    head_dim = _padded_head_dim(q.shape[-1], q.element_size())
-    block_d = _block_d(head_dim)
+    key, plan = _plan("fwd", q, (q, k, v), is_causal, config)
+    host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4 = (_kernel_view(t, head_dim, host) for t in (q, k, v))
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
-    precision = _input_precision(q.dtype)
 
-    def run(c: ForwardConfig) -> None:
-        grid = (-(-seqlen_q // c.block_m) * batch * heads,)
-        kernels.attn_fwd[grid](
-            _tiles(q4, c.block_m, block_d, host), _tiles(k4, c.block_n, block_d, host),
-            _tiles(v4, c.block_n, block_d, host), _tiles(o4, c.block_m, block_d, host), lse,
-            batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d, CAUSAL=is_causal,
-            INPUT_PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages,
-        )  # fmt: skip
+    def launcher(c: ForwardConfig) -> _Launcher:
+        return _Launcher(kernels.attn_fwd, (-(-seqlen_q // c.block_m) * batch * heads,), c)
+
+    def args(c: ForwardConfig) -> tuple:
+        return (_tiles(q4, c.block_m, block_d, host), _tiles(k4, c.block_n, block_d, host),
+                _tiles(v4, c.block_n, block_d, host), _tiles(o4, c.block_m, block_d, host), lse,
+                batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
+                c.block_m, c.block_n, block_d, is_causal, plan.precision)  # fmt: skip
 
     if not host:
         _set_allocator()
-    key = ("fwd", q.device, block_d, q.dtype, is_causal, precision, _size_class(max(seqlen_q, seqlen_k)),
-           _size_class(batch * heads))  # fmt: skip
     with _device_guard(q):
-        _run(run, forward_candidates(block_d, q.element_size(), _interpreted()), key, config)
-    return o4[..., : q.shape[-1]].reshape(q.shape), lse
+        _run(plan, launcher, args, forward_candidates(block_d, q.element_size(), _interpreted()),
+             _tune_key("fwd", plan, q, is_causal, max(seqlen_q, seqlen_k), batch * heads))  # fmt: skip
+    return (o4 if o4.shape == q.shape else o4[..., : q.shape[-1]].reshape(q.shape)), lse
 
 
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -245,54 +345,50 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    host = _host_descriptors(q.device)
-    head_dim = _padded_head_dim(q.shape[-1], q.element_size())
-    block_d = _block_d(head_dim)
+    key, plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, config)
+    host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4, o4, do4 = (_kernel_view(t, head_dim, host) for t in (q, k, v, out, grad_out))
     dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     delta = torch.empty_like(lse)
-    precision = _input_precision(q.dtype)
-    # The float32 dQ sum of the atomic variant, zeroed before each run, padded to whole tiles of up
-    # to 128 rows so that its updates need no masks.
+    # dQ of the atomic variant: a float32 sum, zeroed before each run, padded to whole tiles of up to
+    # 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
-    dq_acc = torch.empty(0, dtype=torch.float32, device=q.device)
+    dq_acc = None
 
-    def run(c: BackwardConfig) -> None:
+    def launcher(c: BackwardConfig) -> _Launcher:
+        tiles = -(-seqlen_k // c.block_n) if c.atomic_dq else -(-max(seqlen_k, seqlen_q) // c.block_n)
+        return _Launcher(kernels.attn_bwd, (tiles * batch * heads,), c)
+
+    def args(c: BackwardConfig) -> tuple:
         nonlocal dq_acc
-        tiles = -(-seqlen_k // c.block_n)
         if c.atomic_dq:
-            if dq_acc.numel() == 0:
-                dq_acc = torch.empty(batch, heads, dq_acc_rows, block_d, dtype=lse.dtype, device=q.device)
-            dq_acc.zero_()
-        else:
-            tiles = max(tiles, -(-seqlen_q // c.block_n))
+            dq_acc = torch.zeros(batch, heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
         step = [_tiles(t, c.block_m, block_d, host) for t in (q4, do4, k4, v4)]
         own = [_tiles(t, c.block_n, block_d, host) for t in (q4, do4, k4, v4, dq4, dk4, dv4)]
-        kernels.attn_bwd[(tiles * batch * heads,)](
-            *step, *own, lse, delta, _tiles(dq_acc, c.block_m, block_d, host and q.is_cuda) if c.atomic_dq else dq_acc,
-            batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
-            scale * kernels.LOG2E, scale,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d, CAUSAL=is_causal, ATOMIC_DQ=c.atomic_dq,
-            INPUT_PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages,
-        )  # fmt: skip
+        # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
+        accumulator = _tiles(dq_acc, c.block_m, block_d, host and q.is_cuda) if c.atomic_dq else lse
+        return (*step, *own, lse, delta, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
+                scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal, c.atomic_dq,
+                plan.precision)  # fmt: skip
 
     if not host:
         _set_allocator()
     preprocess_rows = 64
-    key = ("bwd", q.device, block_d, q.dtype, is_causal, precision, _size_class(max(seqlen_q, seqlen_k)),
-           _size_class(batch * heads))  # fmt: skip
     with _device_guard(q):
-        kernels.attn_bwd_preprocess[(batch * heads, -(-seqlen_q // preprocess_rows))](
-            o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
-            BLOCK_D=block_d, BLOCK_M=preprocess_rows,
-        )  # fmt: skip
-        used = _run(run, backward_candidates(block_d, q.element_size(), _interpreted()), key, config)
+        if plan.preprocess is None:
+            grid = (batch * heads, -(-seqlen_q // preprocess_rows))
+            plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
+        plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
+                        block_d, preprocess_rows)  # fmt: skip
+        used = _run(plan, launcher, args, backward_candidates(block_d, q.element_size(), _interpreted()),
+                    _tune_key("bwd", plan, q, is_causal, max(seqlen_q, seqlen_k), batch * heads))  # fmt: skip
     if used.atomic_dq:
-        dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim] * scale)
-    d = q.shape[-1]
-    return dq4[..., :d].reshape(q.shape), dk4[..., :d].reshape(k.shape), dv4[..., :d].reshape(v.shape)
+        dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
+    grads = (dq4, dk4, dv4)
+    return tuple(g if g.shape == t.shape else g[..., : t.shape[-1]].reshape(t.shape)
+                 for g, t in zip(grads, (q, k, v), strict=True))  # fmt: skip
 
 
 class FlashAttentionTriton(torch.autograd.Function):
