@@ -39,3 +39,39 @@ for name, fn in [("fwd", forward), ("fwd+bwd", forward_backward)]:
     profiler.disable()
     torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
+class Passthrough(torch.autograd.Function):
+    """The floor of any Python autograd.Function: one allocation forward, the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def sdpa_flash():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+floors = {
+    "Passthrough fwd+bwd": lambda: torch.autograd.grad(Passthrough.apply(q), (q,), grad),
+    "sdpa-flash fwd": sdpa_flash,
+    "sdpa-flash fwd+bwd": lambda: torch.autograd.grad(sdpa_flash(), (q, k, v), grad),
+    "torch.empty": lambda: torch.empty(1024, device="cuda"),
+}
+for name, fn in floors.items():
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(300):
+        fn()
+    print(f"== {name}: host {(time.perf_counter() - start) / 300 * 1e6:.1f} us a call")
+    torch.cuda.synchronize()

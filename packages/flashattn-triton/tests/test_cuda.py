@@ -62,7 +62,7 @@ def poison_allocator() -> None:
 def test_triton_matches_float64_reference(problem, case, descriptors, monkeypatch):
     """Every case both ways: these small problems get kernel-built descriptors unless forced."""
     if descriptors == "host-built":
-        monkeypatch.setattr(triton_impl, "HOST_DESCRIPTORS_MIN_PAIRS", 0)
+        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_PAIRS", 0)
     dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
     q, k, v = p.inputs()

@@ -54,7 +54,8 @@ F, B = ForwardConfig, BackwardConfig
 # sm_90 without register spills, except float32's: its 3-pass TF32 products spill in the backward.
 # float32 uses no 16-row tiles: with Triton 3.6 on an H100 they fault (illegal memory access).
 _FORWARD = {
-    (64, 2): [F(64, 64, 4, 3), F(128, 128, 8, 3), F(128, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 3)],
+    (64, 2): [F(64, 128, 4, 3), F(64, 64, 4, 3), F(128, 128, 8, 3), F(64, 128, 4, 2), F(64, 128, 4, 4),
+              F(128, 128, 8, 4)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
     (256, 2): [F(64, 32, 4, 2)],
     (32, 4): [F(64, 64, 4, 2)],
@@ -64,7 +65,8 @@ _FORWARD = {
 }
 _BACKWARD = {
     (64, 2): [B(32, 64, 4, 3), B(64, 128, 8, 2), B(32, 128, 8, 3), B(32, 128, 4, 3), B(32, 128, 8, 3, True),
-              B(64, 128, 8, 2, True), B(64, 128, 8, 3, True), B(64, 64, 4, 3, True)],
+              B(64, 128, 8, 2, True), B(64, 128, 8, 3, True), B(64, 64, 4, 3, True), B(64, 64, 4, 2, True),
+              B(64, 64, 4, 4, True)],
     (128, 2): [B(64, 128, 8, 2), B(32, 128, 8, 2), B(32, 64, 4, 3), B(32, 128, 8, 2, True),
                B(64, 64, 8, 2, True)],
     (256, 2): [B(16, 64, 8, 1)],

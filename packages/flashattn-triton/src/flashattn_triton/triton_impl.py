@@ -97,11 +97,13 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-# Below this many query-key pairs (B * H * Tq * Tk; T = 8192 at B * H = 1) the kernels build their
-# own tensor descriptors. A host-built one costs ~15 us of Python and a driver call (4 per forward,
-# 11 per backward): more than such a kernel runs. Above it the host builds them, which spares every
-# program a descriptor write and fence (1-5% of a large problem, PERF.md run 4).
-HOST_DESCRIPTORS_MIN_PAIRS = 8192 * 8192
+# Problems below this many query-key pairs (B * H * Tq * Tk; T = 8192 at B * H = 1) are host-bound:
+# a call's Python and launches take longer than its kernels. Their kernels build their own tensor
+# descriptors (a host-built one costs ~15 us of Python and a driver call, 4 per forward and 11 per
+# backward) and their backward adds dQ up without atomics (whose float32 sum costs two more tensor
+# ops). Above it the host builds the descriptors, which spares every program a descriptor write and
+# fence (1-5% of a large problem, PERF.md run 4).
+SMALL_PROBLEM_PAIRS = 8192 * 8192
 
 
 def _host_descriptors(device: torch.device, pairs: int) -> bool:
@@ -110,7 +112,7 @@ def _host_descriptors(device: torch.device, pairs: int) -> bool:
     to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
     if device.type != "cuda":
         return True
-    return pairs >= HOST_DESCRIPTORS_MIN_PAIRS and torch.cuda.get_device_capability(device)[0] >= 9
+    return pairs >= SMALL_PROBLEM_PAIRS and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
@@ -209,6 +211,7 @@ class _Plan:
     """How one problem layout runs, worked out on its first call and reused by every later call with
     the same key: the descriptor mode, the config (tuned once per size class) and its launchers."""
 
+    small: bool
     host: bool
     head_dim: int
     block_d: int
@@ -235,8 +238,8 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             _plans.clear()
         head_dim = _padded_head_dim(q.shape[-1], q.element_size())
         pairs = q.shape[:-1].numel() * tensors[1].shape[-2]
-        host = _host_descriptors(q.device, pairs)
-        plan = _plans[key] = _Plan(host, head_dim, _block_d(head_dim), precision, config)
+        small, host = pairs < SMALL_PROBLEM_PAIRS, _host_descriptors(q.device, pairs)
+        plan = _plans[key] = _Plan(small, host, head_dim, _block_d(head_dim), precision, config)
     return key, plan
 
 
@@ -382,7 +385,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
         plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
                         block_d, preprocess_rows)  # fmt: skip
-        used = _run(plan, launcher, args, backward_candidates(block_d, q.element_size(), _interpreted()),
+        candidates = backward_candidates(block_d, q.element_size(), _interpreted())
+        if plan.small:
+            candidates = [c for c in candidates if not c.atomic_dq] or candidates
+        used = _run(plan, launcher, args, candidates,
                     _tune_key("bwd", plan, q, is_causal, max(seqlen_q, seqlen_k), batch * heads))  # fmt: skip
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
