@@ -97,13 +97,13 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-# Problems below this many query-key pairs (B * H * Tq * Tk; T = 8192 at B * H = 1) are host-bound:
+# Problems below this many query-key pairs (B * H * Tq * Tk; T = 16384 at B * H = 1) are host-bound:
 # a call's Python and launches take longer than its kernels. Their kernels build their own tensor
 # descriptors (a host-built one costs ~15 us of Python and a driver call, 4 per forward and 11 per
 # backward) and their backward adds dQ up without atomics (whose float32 sum costs two more tensor
 # ops). Above it the host builds the descriptors, which spares every program a descriptor write and
 # fence (1-5% of a large problem, PERF.md run 4).
-SMALL_PROBLEM_PAIRS = 8192 * 8192
+SMALL_PROBLEM_PAIRS = 16384 * 16384
 
 
 def _host_descriptors(device: torch.device, pairs: int) -> bool:
