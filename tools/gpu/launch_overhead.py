@@ -31,5 +31,5 @@ for name, fn in [("fwd", forward), ("fwd+bwd", forward_backward)]:
     host_us = (time.perf_counter() - start) / 200 * 1e6
     torch.cuda.synchronize()
     gpu_us = do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
-    print(f"host descriptors={triton_impl._host_descriptors(q.device, 1024 * 1024)!s:5} {name:8} "
+    print(f"host descriptors={triton_impl._host_descriptors(q.device, 1024 * 1024 * 64)!s:5} {name:8} "
           f"host {host_us:7.1f} us/call, do_bench {gpu_us:7.1f} us")

@@ -62,7 +62,7 @@ def poison_allocator() -> None:
 def test_triton_matches_float64_reference(problem, case, descriptors, monkeypatch):
     """Every case both ways: these small problems get kernel-built descriptors unless forced."""
     if descriptors == "host-built":
-        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_PAIRS", 0)
+        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
     dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
     q, k, v = p.inputs()
@@ -233,7 +233,7 @@ def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
 def test_device_side_descriptors(problem, monkeypatch, dtype):
     """The path of GPUs older than Hopper, here on Hopper: the kernels build their descriptors (TMA in
     scratch memory from triton.set_allocator) from pointers to contiguous copies."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, pairs: False)
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, work: False)
     p = problem((2, 2), 300, 200, 64, dtype, True, device="cuda", layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)

@@ -97,22 +97,22 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-# Problems below this many query-key pairs (B * H * Tq * Tk; T = 16384 at B * H = 1) are host-bound:
-# a call's Python and launches take longer than its kernels. Their kernels build their own tensor
-# descriptors (a host-built one costs ~15 us of Python and a driver call, 4 per forward and 11 per
-# backward) and their backward adds dQ up without atomics (whose float32 sum costs two more tensor
-# ops). Above it the host builds the descriptors, which spares every program a descriptor write and
-# fence (1-5% of a large problem, PERF.md run 4).
-SMALL_PROBLEM_PAIRS = 16384 * 16384
+# Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 16384 at
+# B * H = 1 and d = 64) are host-bound: a call's Python and launches take longer than its kernels.
+# Their kernels build their own tensor descriptors (a host-built one costs ~15 us of Python and a
+# driver call, 4 per forward and 11 per backward) and their backward adds dQ up without atomics
+# (whose float32 sum costs two more tensor ops). Above it the host builds the descriptors, which
+# spares every program a descriptor write and fence (1-5% of a large problem, PERF.md run 4).
+SMALL_PROBLEM_WORK = 16384 * 16384 * 64
 
 
-def _host_descriptors(device: torch.device, pairs: int) -> bool:
-    """Whether the host builds the tensor descriptors of a problem of `pairs` query-key pairs: on
-    Hopper and later for large problems, and for the interpreter. Otherwise the kernels get pointers
-    to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
+def _host_descriptors(device: torch.device, work: int) -> bool:
+    """Whether the host builds the tensor descriptors of a problem of `work` (pairs times head dim):
+    on Hopper and later for large problems, and for the interpreter. Otherwise the kernels get
+    pointers to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
     if device.type != "cuda":
         return True
-    return pairs >= SMALL_PROBLEM_PAIRS and torch.cuda.get_device_capability(device)[0] >= 9
+    return work >= SMALL_PROBLEM_WORK and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
@@ -237,8 +237,8 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         head_dim = _padded_head_dim(q.shape[-1], q.element_size())
-        pairs = q.shape[:-1].numel() * tensors[1].shape[-2]
-        small, host = pairs < SMALL_PROBLEM_PAIRS, _host_descriptors(q.device, pairs)
+        work = q.shape[:-1].numel() * tensors[1].shape[-2] * q.shape[-1]
+        small, host = work < SMALL_PROBLEM_WORK, _host_descriptors(q.device, work)
         plan = _plans[key] = _Plan(small, host, head_dim, _block_d(head_dim), precision, config)
     return key, plan
 
