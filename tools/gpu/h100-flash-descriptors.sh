@@ -8,8 +8,8 @@ DEV=$PWD/tools/gpu/device_descriptors
 OUT=${OUT:-out/gpu}; R=$OUT/results; mkdir -p "$R"; L=$OUT/log.txt
 {
   nvidia-smi -L; PYTHONPATH=$SRC python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  PYTHONPATH=$SRC timeout 60 python3 tools/gpu/launch_overhead.py
-  PYTHONPATH=$DEV:$SRC timeout 90 python3 tools/gpu/launch_overhead.py
+  PYTHONPATH=$SRC timeout 60 python3 tools/gpu/host_profile.py | grep "^== "
+  PYTHONPATH=$DEV:$SRC timeout 90 python3 tools/gpu/host_profile.py | grep "^== "
   PYTHONPATH=$DEV:$SRC timeout 100 python3 packages/flashattn-triton/scripts/tune.py --precompile-only --workers 14
   PYTHONPATH=$DEV:$SRC timeout 230 python3 -m benchmarks.flash --name flash_device_descriptors --dtypes bfloat16 \
       --warmup 5 --rep 25 --max-minutes 3.0 --torch-max-seq 2048 --results-dir "$R"

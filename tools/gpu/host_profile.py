@@ -1,5 +1,6 @@
-"""Where the host time of a FlashAttentionTriton call goes: cProfile of many calls on a problem small
-enough that the GPU work is negligible (B = 1, T = 1024, d = 64, bfloat16, causal)."""
+"""Host time per call of FlashAttentionTriton on a problem small enough that the GPU work is negligible
+(B = 1, T = 1024, d = 64, bfloat16, causal): the time without a profiler, where it goes (cProfile),
+and the same time for SDPA's flash backend and an empty Python autograd.Function, for scale."""
 
 import cProfile
 import pstats
@@ -9,9 +10,23 @@ import torch
 
 from flashattn_triton import FlashAttentionTriton
 
-q, k, v = (torch.randn(1, 1, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-           for _ in range(3))
+q, k, v = (
+    torch.randn(1, 1, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+)
 grad = torch.randn_like(q)
+
+
+def host_us(fn, calls: int = 300) -> float:
+    """Microseconds of host time a call, after a warm-up (no synchronization inside the loop)."""
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def forward():
@@ -20,25 +35,6 @@ def forward():
 
 def forward_backward():
     torch.autograd.grad(forward(), (q, k, v), grad)
-
-
-for name, fn in [("fwd", forward), ("fwd+bwd", forward_backward)]:
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(300):
-        fn()
-    host_us = (time.perf_counter() - start) / 300 * 1e6
-    torch.cuda.synchronize()
-    print(f"== {name}: host {host_us:.1f} us a call (no profiler)")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(300):
-        fn()
-    profiler.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
 class Passthrough(torch.autograd.Function):
@@ -60,6 +56,16 @@ def sdpa_flash():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+for name, fn in [("fwd", forward), ("fwd+bwd", forward_backward)]:
+    print(f"== {name}: host {host_us(fn):.1f} us a call (no profiler)")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(300):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
 floors = {
     "Passthrough fwd+bwd": lambda: torch.autograd.grad(Passthrough.apply(q), (q,), grad),
     "sdpa-flash fwd": sdpa_flash,
@@ -67,11 +73,4 @@ floors = {
     "torch.empty": lambda: torch.empty(1024, device="cuda"),
 }
 for name, fn in floors.items():
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(300):
-        fn()
-    print(f"== {name}: host {(time.perf_counter() - start) / 300 * 1e6:.1f} us a call")
-    torch.cuda.synchronize()
+    print(f"== {name}: host {host_us(fn):.1f} us a call")

@@ -227,8 +227,8 @@ _chosen: dict[Any, ForwardConfig | BackwardConfig] = {}
 
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
-          config: Any) -> tuple[tuple, _Plan]:
-    """The plan of this call's layout (created, not yet run, on the first call with it) and its key."""
+          config: Any) -> _Plan:
+    """The plan of this call's layout: created, not yet run, on the first call with it."""
     precision = _input_precision(q.dtype)
     key = (pass_name, q.dtype, q.device, is_causal, precision, config,
            *((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))  # fmt: skip
@@ -240,7 +240,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         work = q.shape[:-1].numel() * tensors[1].shape[-2] * q.shape[-1]
         small, host = work < SMALL_PROBLEM_WORK, _host_descriptors(q.device, work)
         plan = _plans[key] = _Plan(small, host, head_dim, _block_d(head_dim), precision, config)
-    return key, plan
+    return plan
 
 
 def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -> Config:
@@ -304,7 +304,8 @@ def _out_of_resources() -> type[Exception]:
     return OutOfResources
 
 
-def _tune_key(pass_name: str, plan: _Plan, q: torch.Tensor, is_causal: bool, seqlen: int, batch_heads: int):
+def _tune_key(pass_name: str, plan: _Plan, q: torch.Tensor, is_causal: bool, seqlen: int,
+              batch_heads: int) -> tuple:
     return (pass_name, q.device, plan.block_d, q.dtype, is_causal, plan.precision, _size_class(seqlen),
             _size_class(batch_heads))  # fmt: skip
 
@@ -317,7 +318,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format), lse
-    key, plan = _plan("fwd", q, (q, k, v), is_causal, config)
+    plan = _plan("fwd", q, (q, k, v), is_causal, config)
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4 = (_kernel_view(t, head_dim, host) for t in (q, k, v))
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
@@ -348,7 +349,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    key, plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, config)
+    plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, config)
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4, o4, do4 = (_kernel_view(t, head_dim, host) for t in (q, k, v, out, grad_out))
     dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
