@@ -94,3 +94,19 @@ def test_device_side_descriptors(problem, monkeypatch):
     out = FlashAttentionTriton.apply(q, k, v, True)
     out.backward(p.grad_out)
     p.check(out, q, k, v)
+
+
+def test_each_layout_gets_its_own_launch_plan(problem):
+    """Plans are keyed by everything the JIT specializes on: a repeat reuses one, while another length,
+    another stride order or a base address off 16 bytes each get their own; all stay exact."""
+    p = problem((1, 2), 24, 24, 16, torch.float32, True)
+    base = torch.empty(p.q.numel() + 1)
+    misaligned = base[1:].view(p.q.shape).copy_(p.q)
+    assert misaligned.data_ptr() % 16 != 0
+    variants = [p.q, p.q.clone(), misaligned, p.q.transpose(1, 2).contiguous().transpose(1, 2)]
+    for q, plans in zip(variants, [1, 1, 2, 3], strict=True):
+        out, lse = triton_forward(q, p.k, p.v, True, 0.25)
+        assert len(triton_impl._plans) == plans
+        p.assert_close({"out": out, "lse": lse})
+    triton_forward(p.q[:, :, :20], p.k, p.v, True, 0.25)
+    assert len(triton_impl._plans) == 4
