@@ -7,12 +7,6 @@ export COLUMNS=250 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/packages/flashattn-triton/src:$PWD/apps/benchmarks/src
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-python3 - <<'PY'
-import inspect, triton.runtime.jit as jit, triton.compiler.compiler as cc
-for mod, needle in [(jit, "kernel.run("), (cc, "self.run(")]:
-    lines = inspect.getsource(mod).splitlines()
-    print(*[f"{mod.__name__}:{i}: {l}" for i, l in enumerate(lines) if needle in l or "bound_args.values()" in l], sep="\n")
-PY
 timeout 120 python3 tools/gpu/host_profile.py > "$OUT/host_profile.txt" 2>&1; echo "host_profile rc=$?"
 grep "^== " "$OUT/host_profile.txt"
 timeout "${TUNE_TIMEOUT:-400}" python3 packages/flashattn-triton/scripts/tune.py --shapes "${SHAPES}" \

@@ -76,6 +76,19 @@ def _load_rows(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr):
+    """Which (row, col) scores the masks keep: key <= query under CAUSAL_MASK, key < seqlen_k under
+    KEY_MASK (at least one of them is set)."""
+    if CAUSAL_MASK:
+        visible = rows[:, None] >= cols[None, :]
+        if KEY_MASK:
+            visible = visible & (cols[None, :] < seqlen_k)
+    else:
+        visible = cols[None, :] < seqlen_k
+    return visible
+
+
+@triton.jit
 def _fwd_key_tiles(
     acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
@@ -88,13 +101,7 @@ def _fwd_key_tiles(
         k = _load_tile(k_desc, z, h, start_n, BLOCK_N, BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if CAUSAL_MASK or KEY_MASK:
-            cols = start_n + offs_n
-            if CAUSAL_MASK:
-                visible = offs_m[:, None] >= cols[None, :]
-                if KEY_MASK:
-                    visible = visible & (cols[None, :] < seqlen_k)
-            else:
-                visible = cols[None, :] < seqlen_k
+            visible = _visible(offs_m, start_n + offs_n, seqlen_k, CAUSAL_MASK, KEY_MASK)
             # Every row sees key 0 in the first tile it visits, so m_new is finite and the
             # masked entries become exp2(-inf) = 0, never NaN.
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
@@ -227,14 +234,7 @@ def _bwd_key_tiles(
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
         if CAUSAL_MASK or KEY_MASK:
-            cols = start_n + offs_n0
-            if CAUSAL_MASK:
-                visible = offs_m[:, None] >= cols[None, :]
-                if KEY_MASK:
-                    visible = visible & (cols[None, :] < seqlen_k)
-            else:
-                visible = cols[None, :] < seqlen_k
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(_visible(offs_m, start_n + offs_n0, seqlen_k, CAUSAL_MASK, KEY_MASK), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)

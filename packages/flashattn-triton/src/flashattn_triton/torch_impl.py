@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._validation import check_inputs
 
 TILE_Q = 64
@@ -192,7 +193,7 @@ def torch_backward(
     return grad_q.to(q.dtype), grad_k, grad_v
 
 
-class FlashAttentionTorch(torch.autograd.Function):
+class FlashAttentionTorch(AttentionFunction):
     """FlashAttention-2 forward and backward in PyTorch (any device): ``FlashAttentionTorch.apply(q, k, v)``.
 
     q: (..., Tq, d), k and v: (..., Tk, d) with the same leading dims and dtype (float16, bfloat16 or
@@ -223,14 +224,3 @@ class FlashAttentionTorch(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale)
         return grad_q, grad_k, grad_v, None, None
-
-    @classmethod
-    def apply(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool = False,  # type: ignore[override]
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        return super().apply(q, k, v, is_causal, scale)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import (
     BackwardConfig,
     ForwardConfig,
@@ -209,13 +210,15 @@ class _Launcher:
 @dataclasses.dataclass
 class _Plan:
     """How one problem layout runs, worked out on its first call and reused by every later call with
-    the same key: the descriptor mode, the config (tuned once per size class) and its launchers."""
+    the same key: the descriptor mode, the candidate configs and the tuning key of its size class,
+    the config chosen and its launchers."""
 
-    small: bool
     host: bool
     head_dim: int
     block_d: int
     precision: str
+    candidates: list
+    tune_key: tuple
     config: Any = None
     launch: _Launcher | None = None
     preprocess: _Launcher | None = None
@@ -228,7 +231,8 @@ _chosen: dict[Any, ForwardConfig | BackwardConfig] = {}
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
           config: Any) -> _Plan:
-    """The plan of this call's layout: created, not yet run, on the first call with it."""
+    """The plan of this call's layout: created, not yet run, on the first call with it. tensors starts
+    with q and k."""
     precision = _input_precision(q.dtype)
     key = (pass_name, q.dtype, q.device, is_causal, precision, config,
            *((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))  # fmt: skip
@@ -237,9 +241,17 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         head_dim = _padded_head_dim(q.shape[-1], q.element_size())
-        work = q.shape[:-1].numel() * tensors[1].shape[-2] * q.shape[-1]
-        small, host = work < SMALL_PROBLEM_WORK, _host_descriptors(q.device, work)
-        plan = _plans[key] = _Plan(small, host, head_dim, _block_d(head_dim), precision, config)
+        block_d = _block_d(head_dim)
+        seqlen_q, seqlen_k, batch_heads = q.shape[-2], tensors[1].shape[-2], q.shape[:-2].numel()
+        work = batch_heads * seqlen_q * seqlen_k * q.shape[-1]
+        table = forward_candidates if pass_name == "fwd" else backward_candidates
+        candidates = table(block_d, q.element_size(), _interpreted())
+        if pass_name == "bwd" and work < SMALL_PROBLEM_WORK:  # host-bound: no atomic dQ (see there)
+            candidates = [c for c in candidates if not c.atomic_dq] or candidates
+        tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision,
+                    _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads))  # fmt: skip
+        host = _host_descriptors(q.device, work)
+        plan = _plans[key] = _Plan(host, head_dim, block_d, precision, candidates, tune_key, config)
     return plan
 
 
@@ -269,23 +281,21 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
     return config or candidates[0]
 
 
-def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple],
-         candidates: list[Config], tune_key: Any) -> Config:
+def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple]) -> Config:
     """Launch the plan's kernel with args(config). On the plan's first run the config is chosen (the
-    plan's own, else tuned) and its launcher made; a config that does not fit this GPU's shared
-    memory steps down through smaller(). Returns the config that ran."""
+    plan's own, else tuned among its candidates) and its launcher made; a config that does not fit
+    this GPU's shared memory steps down through smaller(). Returns the config that ran."""
     if plan.launch is None:
+        # One launcher per candidate, so that the timed calls after the first launch directly, as every
+        # later call of the plan will: small problems would otherwise time the JIT's host work.
+        launchers: dict[Config, _Launcher] = {}
+
+        def run(c: Config) -> None:
+            launchers.setdefault(c, launcher(c))(*args(c))
+
         if plan.config is None:
-            # One launcher per candidate, so that the timed calls after the first launch directly, as
-            # every later call of the plan will: small problems would otherwise time the JIT's host work.
-            launchers: dict[Config, _Launcher] = {}
-
-            def run(c: Config) -> None:
-                launchers.setdefault(c, launcher(c))(*args(c))
-
-            plan.config = _choose(run, candidates, tune_key)
-            plan.launch = launchers.get(plan.config)
-        plan.launch = plan.launch or launcher(plan.config)
+            plan.config = _choose(run, plan.candidates, plan.tune_key)
+        plan.launch = launchers.get(plan.config) or launcher(plan.config)
     while True:
         try:
             plan.launch(*args(plan.config))
@@ -302,12 +312,6 @@ def _out_of_resources() -> type[Exception]:
     from triton.runtime.errors import OutOfResources
 
     return OutOfResources
-
-
-def _tune_key(pass_name: str, plan: _Plan, q: torch.Tensor, is_causal: bool, seqlen: int,
-              batch_heads: int) -> tuple:
-    return (pass_name, q.device, plan.block_d, q.dtype, is_causal, plan.precision, _size_class(seqlen),
-            _size_class(batch_heads))  # fmt: skip
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
@@ -337,8 +341,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     if not host:
         _set_allocator()
     with _device_guard(q):
-        _run(plan, launcher, args, forward_candidates(block_d, q.element_size(), _interpreted()),
-             _tune_key("fwd", plan, q, is_causal, max(seqlen_q, seqlen_k), batch * heads))  # fmt: skip
+        _run(plan, launcher, args)
     return (o4 if o4.shape == q.shape else o4[..., : q.shape[-1]].reshape(q.shape)), lse
 
 
@@ -386,11 +389,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
         plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
                         block_d, preprocess_rows)  # fmt: skip
-        candidates = backward_candidates(block_d, q.element_size(), _interpreted())
-        if plan.small:
-            candidates = [c for c in candidates if not c.atomic_dq] or candidates
-        used = _run(plan, launcher, args, candidates,
-                    _tune_key("bwd", plan, q, is_causal, max(seqlen_q, seqlen_k), batch * heads))  # fmt: skip
+        used = _run(plan, launcher, args)
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
     grads = (dq4, dk4, dv4)
@@ -398,7 +397,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                  for g, t in zip(grads, (q, k, v), strict=True))  # fmt: skip
 
 
-class FlashAttentionTriton(torch.autograd.Function):
+class FlashAttentionTriton(AttentionFunction):
     """FlashAttention-2 forward and backward as Triton kernels: ``FlashAttentionTriton.apply(q, k, v)``.
 
     q: (..., Tq, d), k and v: (..., Tk, d) CUDA tensors with the same leading dims and dtype (float16,
@@ -430,14 +429,3 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale)
         return grad_q, grad_k, grad_v, None, None
-
-    @classmethod
-    def apply(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool = False,  # type: ignore[override]
-        scale: float | None = None,
-    ) -> torch.Tensor:
-        return super().apply(q, k, v, is_causal, scale)
