@@ -22,17 +22,34 @@ from dataclasses import astuple
 import torch
 import torch.nn.functional as F
 
-from flashattn_triton._configs import backward_candidates, forward_candidates
+from flashattn_triton import triton_impl
+from flashattn_triton._configs import BackwardConfig, ForwardConfig, backward_candidates, forward_candidates
 from flashattn_triton.triton_impl import _block_d, triton_backward, triton_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CAUSAL = True
 
 
+EXTRA: dict[str, list] = {"fwd": [], "bwd": []}  # --extra: configs tried beside _configs.py's
+
+
+def parse_extra(text: str) -> dict[str, list]:
+    """'bwd:64/128/8/2/1,fwd:64/128/4/3' -> {"fwd": [ForwardConfig(...)], "bwd": [BackwardConfig(...)]}"""
+    extra: dict[str, list] = {"fwd": [], "bwd": []}
+    for item in filter(None, text.split(",")):
+        which, _, numbers = item.partition(":")
+        if which not in extra or not numbers:
+            raise SystemExit(f"--extra: {item!r} is not fwd:M/N/WARPS/STAGES or bwd:M/N/WARPS/STAGES/ATOMIC")
+        config_type = ForwardConfig if which == "fwd" else BackwardConfig
+        extra[which].append(config_type(*(int(n) for n in numbers.split("/"))))
+    return extra
+
+
 def candidates(which: str, head_dim: int, dtype: torch.dtype) -> list:
     size = torch.empty((), dtype=dtype).element_size()
     table = forward_candidates if which == "fwd" else backward_candidates
-    return table(_block_d(head_dim), size, False)
+    listed = table(_block_d(head_dim), size, False)
+    return listed + [c for c in EXTRA[which] if c not in listed]
 
 
 def inputs(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype):
@@ -51,9 +68,12 @@ def runner(which: str, config, batch_heads: int, seq: int, head_dim: int, dtype:
 
 
 def compile_job(job: tuple) -> tuple[tuple, str]:
-    """Build (and run once) one candidate on a small problem with the same specializations."""
+    """Build (and run once) one candidate on a small problem with the same specializations; for a large
+    problem's, with the host-built descriptors that large problems get."""
     os.environ["FLASHATTN_TRITON_AUTOTUNE"] = "0"
-    which, config, heads, head_dim, dtype_name = job
+    which, config, heads, head_dim, dtype_name, large = job
+    if large:
+        triton_impl.SMALL_PROBLEM_WORK = 0
     try:
         runner(which, config, heads, 256, head_dim, DTYPES[dtype_name])()
         torch.cuda.synchronize()
@@ -105,16 +125,24 @@ def main() -> None:
     parser.add_argument("--fp32-shapes", default="1x4096x64,1x16384x64,1x4096x128,1x16384x128")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--rep", type=float, default=25.0, help="do_bench measuring time per candidate, ms")
+    parser.add_argument("--extra", default="",
+                        help="more configs to time, e.g. bwd:64/128/8/2/1,fwd:64/128/4/3")  # fmt: skip
     parser.add_argument("--precompile-only", action="store_true")
     parser.add_argument("--out", default="tune.csv")
     args = parser.parse_args()
+    EXTRA.update(parse_extra(args.extra))
     os.environ["FLASHATTN_TRITON_AUTOTUNE"] = "0"  # each candidate is timed here, by name
     from triton.testing import do_bench
 
     shapes = [(*map(int, s.split("x")), "bfloat16") for s in args.shapes.split(",") if s]
     shapes += [(*map(int, s.split("x")), "float32") for s in args.fp32_shapes.split(",") if s]
-    jobs = sorted({(which, config, 1 if bh == 1 else 16, d, dtype) for bh, _, d, dtype in shapes
-                   for which in ("fwd", "bwd") for config in candidates(which, d, DTYPES[dtype])}, key=str)
+
+    def job(which: str, config, bh: int, seq: int, d: int, dtype: str) -> tuple:
+        large = bh * seq * seq * d >= triton_impl.SMALL_PROBLEM_WORK
+        return which, config, 1 if bh == 1 else 16, d, dtype, large
+
+    jobs = sorted({job(which, config, *shape) for shape in shapes for which in ("fwd", "bwd")
+                   for config in candidates(which, shape[2], DTYPES[shape[3]])}, key=str)
     start = time.time()
     failed = {}
     context = multiprocessing.get_context("spawn")
@@ -138,7 +166,7 @@ def main() -> None:
         for which in ("fwd", "bwd"):
             flops = 4.0 * bh * seq * seq * d / 2 * (1.0 if which == "fwd" else 2.5)
             for config in candidates(which, d, dtype):
-                if (which, config, 1 if bh == 1 else 16, d, dtype_name) in failed:
+                if job(which, config, bh, seq, d, dtype_name) in failed:
                     continue
                 fn = runner(which, config, bh, seq, d, dtype)
                 result = fn()
