@@ -7,8 +7,11 @@ import pstats
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from flashattn_triton import FlashAttentionTriton
+from flashattn_triton.triton_impl import triton_backward, triton_forward
 
 q, k, v = (
     torch.randn(1, 1, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
@@ -66,11 +69,28 @@ for name, fn in [("fwd", forward), ("fwd+bwd", forward_backward)]:
     torch.cuda.synchronize()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
+@triton.jit
+def _touch(x):
+    tl.store(x, tl.load(x) + 1)
+
+
+flag = torch.zeros(1, device="cuda")
+touch = _touch[(1,)](flag)[(1, 1, 1)]  # the compiled kernel, launched directly as _Launcher does
+out, lse = triton_forward(q, k, v, True, 0.125)
+saved = {name: fn() for name, fn in [("triton", forward), ("sdpa", sdpa_flash),
+                                      ("passthrough", lambda: Passthrough.apply(q))]}  # fmt: skip
 floors = {
+    "triton_forward called directly": lambda: triton_forward(q, k, v, True, 0.125),
+    "triton_backward called directly": lambda: triton_backward(q, k, v, out, lse, grad, True, 0.125),
+    "triton bwd through autograd": lambda: torch.autograd.grad(saved["triton"], (q, k, v), grad,
+                                                               retain_graph=True),  # fmt: skip
+    "Passthrough bwd": lambda: torch.autograd.grad(saved["passthrough"], (q,), grad, retain_graph=True),
     "Passthrough fwd+bwd": lambda: torch.autograd.grad(Passthrough.apply(q), (q,), grad),
     "sdpa-flash fwd": sdpa_flash,
+    "sdpa-flash bwd": lambda: torch.autograd.grad(saved["sdpa"], (q, k, v), grad, retain_graph=True),
     "sdpa-flash fwd+bwd": lambda: torch.autograd.grad(sdpa_flash(), (q, k, v), grad),
     "torch.empty": lambda: torch.empty(1024, device="cuda"),
+    "a compiled Triton kernel's launch": lambda: touch(flag),
 }
 for name, fn in floors.items():
     print(f"== {name}: host {host_us(fn):.1f} us a call")

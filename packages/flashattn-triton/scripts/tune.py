@@ -137,11 +137,11 @@ def main() -> None:
     shapes = [(*map(int, s.split("x")), "bfloat16") for s in args.shapes.split(",") if s]
     shapes += [(*map(int, s.split("x")), "float32") for s in args.fp32_shapes.split(",") if s]
 
-    def job(which: str, config, bh: int, seq: int, d: int, dtype: str) -> tuple:
+    def compile_key(which: str, config, bh: int, seq: int, d: int, dtype: str) -> tuple:
         large = bh * seq * seq * d >= triton_impl.SMALL_PROBLEM_WORK
         return which, config, 1 if bh == 1 else 16, d, dtype, large
 
-    jobs = sorted({job(which, config, *shape) for shape in shapes for which in ("fwd", "bwd")
+    jobs = sorted({compile_key(which, config, *shape) for shape in shapes for which in ("fwd", "bwd")
                    for config in candidates(which, shape[2], DTYPES[shape[3]])}, key=str)
     start = time.time()
     failed = {}
@@ -166,7 +166,7 @@ def main() -> None:
         for which in ("fwd", "bwd"):
             flops = 4.0 * bh * seq * seq * d / 2 * (1.0 if which == "fwd" else 2.5)
             for config in candidates(which, d, dtype):
-                if job(which, config, bh, seq, d, dtype_name) in failed:
+                if compile_key(which, config, bh, seq, d, dtype_name) in failed:
                     continue
                 fn = runner(which, config, bh, seq, d, dtype)
                 result = fn()
