@@ -94,3 +94,48 @@ floors = {
 }
 for name, fn in floors.items():
     print(f"== {name}: host {host_us(fn):.1f} us a call")
+
+
+def stage_times(function: type, saved_out: torch.Tensor, inputs: tuple, calls: int = 300) -> str:
+    """Median host microseconds of a backward-only autograd call, split where the Function's backward
+    is entered and left: the engine's part before (hand-off to its device thread, saved tensors),
+    the backward itself, and the engine's part after (gradient checks, hand-back)."""
+    stamps: dict[str, float] = {}
+    original = function.backward
+
+    def timed_backward(ctx, *grads):
+        stamps["enter"] = time.perf_counter()
+        result = original(ctx, *grads)
+        stamps["leave"] = time.perf_counter()
+        return result
+
+    function.backward = staticmethod(timed_backward)
+    parts: list[tuple[float, float, float]] = []
+    try:
+        for i in range(calls + 30):
+            start = time.perf_counter()
+            torch.autograd.grad(saved_out, inputs, grad, retain_graph=True)
+            end = time.perf_counter()
+            if i >= 30:
+                enter, leave = stamps["enter"], stamps["leave"]
+                parts.append((enter - start, leave - enter, end - leave))
+    finally:
+        function.backward = original
+    torch.cuda.synchronize()
+    before, inside, after = (sorted(column)[len(column) // 2] * 1e6 for column in zip(*parts, strict=True))
+    return f"engine before {before:.1f} us, backward {inside:.1f} us, engine after {after:.1f} us"
+
+
+class PlainTriton(FlashAttentionTriton):
+    """FlashAttentionTriton with a backward that is not wrapped in once_differentiable."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale), None, None)
+
+
+print("== triton bwd stages:", stage_times(FlashAttentionTriton, saved["triton"], (q, k, v)))
+print("== no once_differentiable bwd stages:",
+      stage_times(PlainTriton, PlainTriton.apply(q, k, v, True), (q, k, v)))  # fmt: skip
+print("== Passthrough bwd stages:", stage_times(Passthrough, saved["passthrough"], (q,)))

@@ -176,7 +176,7 @@ def main() -> None:
                 else:
                     err = max(relative_error(g, r) for g, r in zip(result, ref_grads, strict=True))
                 row = {"pass": which, "batch_heads": bh, "T": seq, "d": d, "dtype": dtype_name,
-                       "config": "/".join(str(int(x)) for x in astuple(config)), "ms": round(ms, 4),
+                       "config": "/".join(str(int(x)) for x in astuple(config) if x is not None), "ms": round(ms, 4),
                        "TFLOP/s": round(flops / ms / 1e9, 1), "err vs sdpa": f"{err:.1e}"}  # fmt: skip
                 for label in ("flash", "cudnn", "efficient"):
                     if (label, which) in sdpa_ms:

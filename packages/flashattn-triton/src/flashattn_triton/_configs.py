@@ -22,6 +22,7 @@ class ForwardConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # a per-thread register cap (Triton's maxnreg): more programs per SM
 
     def __post_init__(self) -> None:
         _check_blocks(self, ["block_m", "block_n"], 256)
@@ -38,6 +39,7 @@ class BackwardConfig:
     num_warps: int
     num_stages: int
     atomic_dq: bool = False
+    max_registers: int | None = None
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.

@@ -182,7 +182,7 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
-    return "/".join(str(int(x)) for x in dataclasses.astuple(config))
+    return "/".join(str(int(x)) for x in dataclasses.astuple(config) if x is not None)
 
 
 class _Launcher:
@@ -196,6 +196,8 @@ class _Launcher:
         self.kernel = kernel
         self.grid = (*grid, 1, 1)[:3]
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
+        if config and config.max_registers:
+            self.options["maxnreg"] = config.max_registers
         self.compiled: Callable[..., None] | None = None
 
     def __call__(self, *args: Any) -> None:
