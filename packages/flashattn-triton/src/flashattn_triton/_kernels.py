@@ -14,6 +14,12 @@ Scores live in the log2 domain: ``qk_scale = scale * log2(e)`` folds the softmax
 change of base into one multiply, so the exponentials are ``exp2``. L is stored as the natural-log
 logsumexp of the scaled scores (the public contract) and turned back into log2 where it is read.
 
+float32 at full accuracy (INPUT_PRECISION "tf32x3") runs as three TF32 products per product
+(3xTF32: a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi, with a_hi exactly TF32 and a_lo = a - a_hi). The host
+passes each input as a pair, high parts in batches [0, Z) and remainders in [Z, 2Z) of one (2Z, H, T, d)
+tensor, so that tiles reach the matrix units from shared memory like any other load; only P and dS are
+split in registers. (Triton's own tf32x3 splits every operand in registers, which spills at d = 128.)
+
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
 and the masked ones after, and causal tiles that are fully masked are never visited. Ragged query
@@ -46,8 +52,56 @@ def _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOC
 
 
 @triton.jit
+def _input_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """_descriptor of an input, which under tf32x3 holds 2 * batch (high parts, then remainders)."""
+    if INPUT_PRECISION == "tf32x3":
+        return _descriptor(arg, 2 * batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D)
+    else:
+        return _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D)
+
+
+@triton.jit
 def _load_tile(desc, z, h, row, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     return desc.load([z, h, row, 0]).reshape(BLOCK_T, BLOCK_D)
+
+
+@triton.jit
+def _load_parts(desc, z, batch, h, row, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """An input tile as (high, low) parts: under tf32x3 the two halves of the pair, else the tile twice
+    (the second never used)."""
+    tile = _load_tile(desc, z, h, row, BLOCK_T, BLOCK_D)
+    if INPUT_PRECISION == "tf32x3":
+        low = _load_tile(desc, z + batch, h, row, BLOCK_T, BLOCK_D)
+    else:
+        low = tile
+    return tile, low
+
+
+@triton.jit
+def _split(x, INPUT_PRECISION: tl.constexpr):
+    """x as (high, low) parts: under tf32x3 high keeps x's 10 leading mantissa bits (exactly TF32) and
+    low = x - high; else (x, x)."""
+    if INPUT_PRECISION == "tf32x3":
+        high = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        low = x - high
+    else:
+        high = x
+        low = x
+    return high, low
+
+
+@triton.jit
+def _dot(a, a_low, b, b_low, acc, INPUT_PRECISION: tl.constexpr):
+    """a @ b (+ acc); under tf32x3 from the parts, the small products first."""
+    if INPUT_PRECISION == "tf32x3":
+        acc = tl.dot(a_low, b, acc, input_precision="tf32")
+        acc = tl.dot(a, b_low, acc, input_precision="tf32")
+        acc = tl.dot(a, b, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -90,7 +144,7 @@ def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.const
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -98,8 +152,8 @@ def _fwd_key_tiles(
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_tile(k_desc, z, h, start_n, BLOCK_N, BLOCK_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         if CAUSAL_MASK or KEY_MASK:
             visible = _visible(offs_m, start_n + offs_n, seqlen_k, CAUSAL_MASK, KEY_MASK)
             # Every row sees key 0 in the first tile it visits, so m_new is finite and the
@@ -112,8 +166,9 @@ def _fwd_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_desc, z, h, start_n, BLOCK_N, BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
+        acc = _dot(p, p_low, v, v_low, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -133,13 +188,13 @@ def attn_fwd(
         tile = num_tiles - 1 - tile
     z = bh // heads
     h = bh % heads
-    q_desc = _descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
-    k_desc = _descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D)
-    v_desc = _descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D)
+    q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+    k_desc = _input_descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+    v_desc = _input_descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
     o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    q = _load_tile(q_desc, z, h, start_m, BLOCK_M, BLOCK_D)
+    q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -152,13 +207,13 @@ def attn_fwd(
         unmasked_end = (seqlen_k // BLOCK_N) * BLOCK_N
         masked_end = seqlen_k
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, 0, unmasked_end, seqlen_k, qk_scale,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, 0, unmasked_end, seqlen_k, qk_scale,
         BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION,
     )  # fmt: skip
     # The causal diagonal and the ragged end of the keys (empty for non-causal with full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, k_desc, v_desc, z, h, offs_m, unmasked_end, masked_end, seqlen_k, qk_scale,
-        BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, unmasked_end, masked_end, seqlen_k,
+        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
     )  # fmt: skip
 
     lse = (m_i + tl.math.log2(l_i)) * _LN2
@@ -188,40 +243,43 @@ def attn_bwd_preprocess(
 
 @triton.jit
 def _bwd_query_tiles(
-    dk, dv, k, v, k_dq, q_desc, do_desc, bh, z, h, l_ptrs, delta_ptrs, dq_acc, dq_acc_rows, offs_n, lo, hi,
-    seqlen_q, qk_scale,
+    dk, dv, k, k_low, v, v_low, k_dq, q_desc, do_desc, bh, z, batch, h, l_ptrs, delta_ptrs, dq_acc,
+    dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
-    ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K), added atomically to a
-    float32 buffer padded to whole tiles."""
+    ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K; under tf32x3 K_dq = K and the
+    share is scaled), added atomically to a float32 buffer padded to whole tiles."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m0
-        q = _load_tile(q_desc, z, h, start_m, BLOCK_M, BLOCK_D)
+        q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
         # Rows past the end read L = +inf, so their P is exactly 0 and they add nothing.
         l2 = _load_rows(l_ptrs + rows, rows, seqlen_q, float("inf"), ROW_MASK) * _LOG2E
-        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        qk_t = _dot(k, k_low, tl.trans(q), tl.trans(q_low), None, INPUT_PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - l2[None, :])
         if CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
-        do = _load_tile(do_desc, z, h, start_m, BLOCK_M, BLOCK_D)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        do, do_low = _load_parts(do_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+        p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
+        dv = _dot(p_high, p_low, do, do_low, dv, INPUT_PRECISION)
         delta = _load_rows(delta_ptrs + rows, rows, seqlen_q, 0.0, ROW_MASK)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
+        ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
+        dk = _dot(ds_high, ds_low, q, q_low, dk, INPUT_PRECISION)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k_dq, input_precision=INPUT_PRECISION)
+            dq = _dot(tl.trans(ds_high), tl.trans(ds_low), k_dq, k_low, None, INPUT_PRECISION)
+            if INPUT_PRECISION == "tf32x3":
+                dq = dq * scale
             _add_tile(dq_acc, bh, z, h, dq_acc_rows, start_m, dq, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _bwd_key_tiles(
-    dq, q, do, l2, delta, k_desc, v_desc, z, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -229,15 +287,15 @@ def _bwd_key_tiles(
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_tile(k_desc, z, h, start_n, BLOCK_N, BLOCK_D)
-        v = _load_tile(v_desc, z, h, start_n, BLOCK_N, BLOCK_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
         if CAUSAL_MASK or KEY_MASK:
             p = tl.where(_visible(offs_m, start_n + offs_n0, seqlen_k, CAUSAL_MASK, KEY_MASK), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+        dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
+        ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
+        dq = _dot(ds_high, ds_low, k, k_low, dq, INPUT_PRECISION)
     return dq
 
 
@@ -274,16 +332,17 @@ def attn_bwd(
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
     delta_base = Delta + bh.to(tl.int64) * seqlen_q
-    q_step = _descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
-    do_step = _descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
+    q_step = _input_descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+    do_step = _input_descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
 
     if start < seqlen_k:
         offs_n = start + tl.arange(0, BLOCK_N)
-        k = _load_tile(_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
-                       BLOCK_N, BLOCK_D)  # fmt: skip
-        v = _load_tile(_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
-                       BLOCK_N, BLOCK_D)  # fmt: skip
-        if ATOMIC_DQ:  # the softmax scale of dQ, folded into its keys once instead of into every share
+        k_own = _input_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v_own = _input_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_parts(v_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        if ATOMIC_DQ and INPUT_PRECISION != "tf32x3":
+            # The softmax scale of dQ, folded into its keys once instead of into every share.
             k_dq = (k.to(tl.float32) * scale).to(k.dtype)
         else:
             k_dq = k
@@ -296,22 +355,22 @@ def attn_bwd(
             first = (start // BLOCK_M) * BLOCK_M
             diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
             dk, dv = _bwd_query_tiles(
-                dk, dv, k, v, k_dq, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows,
-                offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
-                BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, INPUT_PRECISION,
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_base,
+                DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
+                scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, INPUT_PRECISION,
             )  # fmt: skip
             unmasked_start = diagonal_end
         else:
             unmasked_start = 0
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, v, k_dq, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n,
-            unmasked_start, full_end, seqlen_q, qk_scale, BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ,
-            INPUT_PRECISION,
+            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_base, DQ_ACC,
+            dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D, False,
+            False, ATOMIC_DQ, INPUT_PRECISION,
         )  # fmt: skip
         # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, v, k_dq, q_step, do_step, bh, z, h, l_base, delta_base, DQ_ACC, dq_acc_rows, offs_n,
-            tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale,
+            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_base, DQ_ACC,
+            dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale, scale,
             BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, INPUT_PRECISION,
         )  # fmt: skip
         _store_tile(_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
@@ -322,15 +381,19 @@ def attn_bwd(
     if not ATOMIC_DQ:
         if start < seqlen_q:
             offs_m = start + tl.arange(0, BLOCK_N)
-            q_own = _descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
-            do_own = _descriptor(DO_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
-            q = _load_tile(q_own, z, h, start, BLOCK_N, BLOCK_D)
-            do = _load_tile(do_own, z, h, start, BLOCK_N, BLOCK_D)
+            q_own = _input_descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
+                                      INPUT_PRECISION)  # fmt: skip
+            do_own = _input_descriptor(DO_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
+                                       INPUT_PRECISION)  # fmt: skip
+            q, q_low = _load_parts(q_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+            do, do_low = _load_parts(do_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
             l2 = _load_rows(l_base + offs_m, offs_m, seqlen_q, float("inf"), True) * _LOG2E
             delta = _load_rows(delta_base + offs_m, offs_m, seqlen_q, 0.0, True)
             dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            k_step = _descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D)
-            v_step = _descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D)
+            k_step = _input_descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
+                                       INPUT_PRECISION)  # fmt: skip
+            v_step = _input_descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
+                                       INPUT_PRECISION)  # fmt: skip
             if CAUSAL:
                 unmasked_end = (tl.minimum(start + 1, seqlen_k) // BLOCK_M) * BLOCK_M
                 masked_end = tl.minimum(start + BLOCK_N, seqlen_k)
@@ -338,12 +401,12 @@ def attn_bwd(
                 unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
                 masked_end = seqlen_k
             dq = _bwd_key_tiles(
-                dq, q, do, l2, delta, k_step, v_step, z, h, offs_m, 0, unmasked_end, seqlen_k, qk_scale,
-                BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION,
+                dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, unmasked_end,
+                seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION,
             )  # fmt: skip
             dq = _bwd_key_tiles(
-                dq, q, do, l2, delta, k_step, v_step, z, h, offs_m, unmasked_end, masked_end, seqlen_k,
-                qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+                dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
+                masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
             )  # fmt: skip
             _store_tile(_descriptor(DQ, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                         (dq * scale).to(q.dtype), BLOCK_N, BLOCK_D)  # fmt: skip

@@ -98,6 +98,20 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+def _tf32_parts(x4: torch.Tensor) -> torch.Tensor:
+    """A float32 (Z, H, T, d) tensor as the (2Z, H, T, d) pair the tf32x3 kernels read: x with its 13 low
+    mantissa bits cleared (exactly TF32), then the remainders x - high."""
+    parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
+    torch.bitwise_and(x4.view(torch.int32), -8192, out=parts[0].view(torch.int32))
+    torch.sub(x4, parts[0], out=parts[1])
+    return parts.view(-1, *x4.shape[1:])
+
+
+def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3."""
+    return tensors if plan.precision != "tf32x3" else tuple(_tf32_parts(t) for t in tensors)
+
+
 # Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 16384 at
 # B * H = 1 and d = 64) are host-bound: a call's Python and launches take longer than its kernels.
 # Their kernels build their own tensor descriptors (a host-built one costs ~15 us of Python and a
@@ -330,6 +344,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
+    q4, k4, v4 = _kernel_inputs(plan, q4, k4, v4)
 
     def launcher(c: ForwardConfig) -> _Launcher:
         return _Launcher(kernels.attn_fwd, (-(-seqlen_q // c.block_m) * batch * heads,), c)
@@ -361,6 +376,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     delta = torch.empty_like(lse)
+    q_in, do_in, k_in, v_in = _kernel_inputs(plan, q4, do4, k4, v4)
     # dQ of the atomic variant: a float32 sum, zeroed before each run, padded to whole tiles of up to
     # 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
@@ -374,8 +390,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         nonlocal dq_acc
         if c.atomic_dq:
             dq_acc = torch.zeros(batch, heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
-        step = [_tiles(t, c.block_m, block_d, host) for t in (q4, do4, k4, v4)]
-        own = [_tiles(t, c.block_n, block_d, host) for t in (q4, do4, k4, v4, dq4, dk4, dv4)]
+        step = [_tiles(t, c.block_m, block_d, host) for t in (q_in, do_in, k_in, v_in)]
+        own = [_tiles(t, c.block_n, block_d, host) for t in (q_in, do_in, k_in, v_in, dq4, dk4, dv4)]
         # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
         accumulator = _tiles(dq_acc, c.block_m, block_d, host and q.is_cuda) if c.atomic_dq else lse
         return (*step, *own, lse, delta, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
