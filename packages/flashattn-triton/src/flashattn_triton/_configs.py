@@ -53,15 +53,16 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 F, B = ForwardConfig, BackwardConfig
 # Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
 # per problem size class and keeps the fastest. Each was measured on an H100 (PERF.md) and builds for
-# sm_90 without register spills, except float32's: its 3-pass TF32 products spill in the backward.
-# float32 uses no 16-row tiles: with Triton 3.6 on an H100 they fault (illegal memory access).
+# sm_90 without register spills, except float32's backward at d = 128 (its tf32 products need the
+# row-major operands transposed through registers). float32 avoids 16-row tiles (Triton 3.6 faulted on
+# them) and 8-warp backward tiles at d = 128 (their spills cost 20-25x).
 _FORWARD = {
     (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
     (256, 2): [F(64, 32, 4, 2)],
     (32, 4): [F(64, 64, 4, 2)],
-    (64, 4): [F(64, 32, 4, 2), F(128, 32, 8, 2), F(64, 32, 8, 2)],
-    (128, 4): [F(64, 32, 8, 2), F(64, 32, 4, 2)],
+    (64, 4): [F(64, 64, 4, 2), F(64, 32, 4, 2), F(128, 64, 8, 2)],
+    (128, 4): [F(64, 32, 4, 2), F(64, 64, 4, 2)],
     (256, 4): [F(64, 32, 8, 1)],
 }
 _BACKWARD = {
@@ -69,8 +70,8 @@ _BACKWARD = {
     (128, 2): [B(64, 128, 8, 2), B(32, 128, 8, 2), B(32, 64, 4, 3)],
     (256, 2): [B(16, 64, 8, 1)],
     (32, 4): [B(32, 64, 4, 2)],
-    (64, 4): [B(32, 128, 8, 2), B(32, 64, 8, 2)],
-    (128, 4): [B(32, 64, 8, 1)],
+    (64, 4): [B(32, 128, 8, 2), B(32, 64, 4, 2), B(32, 64, 4, 1)],
+    (128, 4): [B(32, 64, 4, 1), B(32, 64, 4, 2)],
     (256, 4): [B(32, 32, 8, 1)],
 }
 
