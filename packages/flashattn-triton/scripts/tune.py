@@ -17,14 +17,13 @@ import concurrent.futures
 import multiprocessing
 import os
 import time
-from dataclasses import astuple
 
 import torch
 import torch.nn.functional as F
 
 from flashattn_triton import triton_impl
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, backward_candidates, forward_candidates
-from flashattn_triton.triton_impl import _block_d, triton_backward, triton_forward
+from flashattn_triton.triton_impl import _block_d, _describe, triton_backward, triton_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CAUSAL = True
@@ -176,7 +175,7 @@ def main() -> None:
                 else:
                     err = max(relative_error(g, r) for g, r in zip(result, ref_grads, strict=True))
                 row = {"pass": which, "batch_heads": bh, "T": seq, "d": d, "dtype": dtype_name,
-                       "config": "/".join(str(int(x)) for x in astuple(config) if x is not None), "ms": round(ms, 4),
+                       "config": _describe(config), "ms": round(ms, 4),
                        "TFLOP/s": round(flops / ms / 1e9, 1), "err vs sdpa": f"{err:.1e}"}  # fmt: skip
                 for label in ("flash", "cudnn", "efficient"):
                     if (label, which) in sdpa_ms:
