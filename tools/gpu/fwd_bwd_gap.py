@@ -1,8 +1,9 @@
 """Why forward+backward can time above forward plus backward: each part timed alone and together, by
 do_bench and by events inside one iteration, with the caching allocator's cudaMalloc count and the
-host time of a call (no synchronization), for each shape BATCH*HEADSxTxD given (bfloat16, causal).
+host time of a call (no synchronization), for each shape BATCH*HEADSxTxD[xDTYPE] given (causal; the
+dtype bfloat16 unless named).
 
-    python3 tools/gpu/fwd_bwd_gap.py 16x16384x64,1x16384x128
+    python3 tools/gpu/fwd_bwd_gap.py 16x16384x64,1x16384x128,1x4096x64xfloat32
 """
 
 import sys
@@ -26,9 +27,9 @@ def host_ms(fn, calls: int = 50) -> float:
     return elapsed / calls * 1e3
 
 
-def report(batch_heads: int, seq: int, head_dim: int) -> None:
+def report(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype) -> None:
     shape = (1, batch_heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn_like(q)
     scale = head_dim**-0.5
     out = FlashAttentionTriton.apply(q, k, v, True)
@@ -50,7 +51,7 @@ def report(batch_heads: int, seq: int, head_dim: int) -> None:
         "bwd (direct)": lambda: triton_backward(q, k, v, o, lse, grad, True, scale),
         "fwd+bwd (direct)": both_direct,
     }
-    print(f"== ({batch_heads}, {seq}, {head_dim})")
+    print(f"== ({batch_heads}, {seq}, {head_dim}) {dtype}")
     for name, fn in runs.items():
         fn()
         mallocs = torch.cuda.memory_stats().get("segment.all.allocated", 0)
@@ -75,5 +76,6 @@ def report(batch_heads: int, seq: int, head_dim: int) -> None:
     print(f"events, one iteration (median): fwd {fwd_ms:.4f} ms, bwd {bwd_ms:.4f} ms")
 
 
-for shape in (sys.argv[1] if len(sys.argv) > 1 else "16x16384x64").split(","):
-    report(*(int(n) for n in shape.split("x")))
+for spec in (sys.argv[1] if len(sys.argv) > 1 else "16x16384x64").split(","):
+    batch_heads, seq, head_dim, *dtype = spec.split("x")
+    report(int(batch_heads), int(seq), int(head_dim), getattr(torch, dtype[0] if dtype else "bfloat16"))
