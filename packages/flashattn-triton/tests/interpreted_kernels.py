@@ -77,6 +77,20 @@ def test_other_tile_shapes(problem, is_causal, backward):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
+def test_launchers_take_inputs_that_require_grad(problem):
+    """Called outside autograd (tuning scripts, tools) on float32 inputs that require grad: the same
+    results as on detached ones (the float32 path splits its inputs into TF32 parts first)."""
+    p = problem((2,), 40, 40, 32, torch.float32, True)
+    detached = (p.q, p.k, p.v)
+    attached = tuple(t.clone().requires_grad_() for t in detached)
+    results = []
+    for q, k, v in (detached, attached):
+        out, lse = triton_forward(q, k, v, True, 0.25)
+        results.append((out, lse, *triton_backward(q, k, v, out, lse, p.grad_out, True, 0.25)))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(problem):
     p = problem((2,), 20, 20, 16, torch.float32, True, scale=0.5)
     q, k, v = p.inputs()

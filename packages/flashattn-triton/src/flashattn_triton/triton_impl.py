@@ -101,6 +101,7 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _tf32_parts(x4: torch.Tensor) -> torch.Tensor:
     """A float32 (Z, H, T, d) tensor as the (2Z, H, T, d) pair the tf32x3 kernels read: x with its 13 low
     mantissa bits cleared (exactly TF32), then the remainders x - high."""
+    x4 = x4.detach()  # the launchers are also called outside autograd, on inputs that require grad
     parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
     torch.bitwise_and(x4.view(torch.int32), -8192, out=parts[0].view(torch.int32))
     torch.sub(x4, parts[0], out=parts[1])
