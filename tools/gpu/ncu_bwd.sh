@@ -15,6 +15,8 @@ torch.cuda.synchronize()
 PY
 timeout 400 ncu --kernel-name attn_bwd --launch-skip 1 --launch-count 1 --section WarpStateStats \
     --section SchedulerStats --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
-    --section SpeedOfLight python3 "$OUT/run_bwd.py" > "$OUT/ncu_bwd.txt" 2>&1
+    --section SpeedOfLight --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    python3 "$OUT/run_bwd.py" > "$OUT/ncu_bwd.txt" 2>&1
 echo "ncu rc=$?"
-grep -E "Stall|stall|Warp Cycles|Issued|Eligible|Active Warps|Occupancy|Registers|Shared Memory|Duration|Throughput|Pipe|Block Limit" "$OUT/ncu_bwd.txt" | head -80
+grep -E "issue_stalled" "$OUT/ncu_bwd.txt" | sort -k3 -n -r | head -12
+grep -E "Warp Cycles|Issued|Eligible|Active Warps|Occupancy|Registers|Shared Memory|Duration|Throughput|Pipe|Block Limit" "$OUT/ncu_bwd.txt" | head -80
