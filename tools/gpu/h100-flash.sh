@@ -12,12 +12,12 @@ SEQ=1024,2048,4096,8192,16384,32768,65536
 {
   nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   if [ "$PART" != tests ]; then
-    timeout 90 python3 packages/flashattn-triton/scripts/tune.py --precompile-only --workers 14
-    timeout 200 python3 -m benchmarks.flash --name flash_sdpa --dtypes bfloat16 --seq $SEQ --dims 16,32,64,128 \
-        --impls triton,sdpa-flash,sdpa-cudnn --warmup 5 --rep 25 --max-minutes 2.6 --results-dir "$R"
+    timeout 60 python3 packages/flashattn-triton/scripts/tune.py --precompile-only --workers 14
+    timeout 260 python3 -m benchmarks.flash --name flash_sdpa --dtypes bfloat16 --seq $SEQ --dims 16,32,64,128 \
+        --impls triton,sdpa-flash,sdpa-cudnn --warmup 5 --rep 25 --repeats 3 --max-minutes 3.6 --results-dir "$R"
     echo "bench bf16 rc=$?"
-    timeout 230 python3 -m benchmarks.flash --name flash_fp32 --dtypes float32 --shapes '' --seq $SEQ \
-        --impls triton,sdpa-efficient --warmup 5 --rep 25 --max-minutes 3.3 --results-dir "$R"
+    timeout 220 python3 -m benchmarks.flash --name flash_fp32 --dtypes float32 --shapes '' --seq $SEQ \
+        --impls triton,sdpa-efficient --warmup 5 --rep 25 --repeats 3 --max-minutes 3.0 --results-dir "$R"
     echo "bench fp32 rc=$?"
   fi
 } > "$L" 2>"$OUT/stderr.txt"

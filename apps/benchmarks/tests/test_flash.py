@@ -3,8 +3,9 @@ import math
 import pandas as pd
 import pytest
 
+from benchmarks import flash
 from benchmarks.common import read_results
-from benchmarks.flash import add_ratios, forward_flops, geomean_summary, main, parse_shape
+from benchmarks.flash import add_ratios, forward_flops, geomean_summary, main, median_time, parse_shape
 
 
 def test_tiny_sweep_writes_every_cell(tmp_path, monkeypatch):
@@ -31,6 +32,36 @@ def test_max_minutes_skips_what_is_left(tmp_path):
     df = main(["--device", "cpu", "--seq", "64", "--dims", "16", "--dtypes", "float32", "--shapes", "",
                "--impls", "naive,sdpa-flash", "--max-minutes", "0", "--no-save"])  # fmt: skip
     assert (df["fwd ms"] == "skipped").all()
+
+
+def test_repeats_run_in_rounds_over_every_cell_and_keep_the_median(monkeypatch):
+    calls = []
+    scripted = {"naive": iter([3.0, 1.0, 2.0]), "sdpa-flash": iter([5.0, 9.0, 4.0])}
+
+    def fake_measure(fn, shape, causal, passes, dev, timer):
+        impl = "naive" if fn is flash.naive_attention else "sdpa-flash"
+        calls.append((shape.seq, impl))
+        return dict.fromkeys(passes, next(scripted[impl]) if shape.seq == 64 else 1.0)
+
+    monkeypatch.setattr(flash, "measure", fake_measure)
+    df = main(["--device", "cpu", "--seq", "64,96", "--dims", "16", "--dtypes", "float32", "--shapes", "",
+               "--impls", "naive,sdpa-flash", "--repeats", "3", "--no-save"])  # fmt: skip
+    one_round = [(64, "naive"), (64, "sdpa-flash"), (96, "naive"), (96, "sdpa-flash")]
+    assert calls == one_round * 3
+    cells = df.set_index(["T", "impl"])
+    assert cells.loc[(64, "naive"), "fwd ms"] == 2.0
+    assert cells.loc[(64, "sdpa-flash"), "bwd ms"] == 5.0
+
+
+def test_median_time_keeps_the_reason_only_when_nothing_was_timed():
+    assert median_time(["OOM", 1.0, 3.0]) == 2.0
+    assert median_time(["skipped", "skipped"]) == "skipped"
+
+
+def test_repeats_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--repeats", "0", "--no-save"])
+    assert "--repeats: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_ratios_and_tflops_from_times():

@@ -170,6 +170,17 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    """argparse type for a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def str_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
     """argparse type for 'a,b' whose items must be among choices ('all' means every choice)."""
     allowed = list(choices)

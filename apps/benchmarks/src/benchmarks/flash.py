@@ -44,6 +44,7 @@ from benchmarks.common import (
     is_oom,
     make_parser,
     parse_args,
+    positive_int,
     print_table,
     progress,
     save_results,
@@ -229,6 +230,13 @@ def measure(
     return result
 
 
+def median_time(values: list[float | str]) -> float | str:
+    """The median of a cell's timed repeats; the first repeat's reason (OOM, skipped, ...) if none was
+    timed."""
+    times = [v for v in values if isinstance(v, float)]
+    return statistics.median(times) if times else values[0]
+
+
 def skip_reason(impl: str, shape: Shape, args) -> str | None:
     if impl == "naive" and shape.seq > args.naive_max_seq:
         return SKIPPED
@@ -343,6 +351,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no cell after this long; the cells left read 'skipped'")
+    parser.add_argument("--repeats", type=positive_int, default=1,
+                        help="time every cell this many times, in rounds over all cells (so that a slow "
+                        "spell of the host hits every implementation alike), and keep the median")
     args = parse_args(parser, argv)
     dev = torch.device(args.device) if args.device else device()
     preset = (QUICK_GPU if dev.type == "cuda" else QUICK_CPU) if args.quick else DEFAULTS
@@ -353,31 +364,33 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     timer = make_timer(dev, args.warmup, args.rep)
     shapes = build_shapes(args)
     cells = [(shape, impl) for shape in shapes for impl in args.impls]
-    rows = []
+    measured: list[list[dict[str, float | str]]] = [[] for _ in cells]
     deadline = math.inf if args.max_minutes is None else time.perf_counter() + args.max_minutes * 60
+    rounds = [(index, cell) for _ in range(args.repeats) for index, cell in enumerate(cells)]
     with progress() as bar:
-        for shape, impl in bar.track(cells, description="timing"):
+        for index, (shape, impl) in bar.track(rounds, description="timing"):
             fn = attention_fn(impl, dev)
             reason = NOT_AVAILABLE if fn is None else skip_reason(impl, shape, args)
             if time.perf_counter() > deadline:
                 reason = SKIPPED
-            times = (
+            measured[index].append(
                 dict.fromkeys(args.passes, reason)
                 if reason
                 else measure(fn, shape, args.causal, args.passes, dev, timer)
             )
-            rows.append(
-                {
-                    "batch*heads": shape.batch_heads,
-                    "T": shape.seq,
-                    "d": shape.head_dim,
-                    "dtype": shape.dtype,
-                    "causal": args.causal,
-                    "impl": impl,
-                    **{f"{which} ms": as_cell(value, 4) for which, value in times.items()},
-                }
-            )
             free_device_memory()
+    rows = [
+        {
+            "batch*heads": shape.batch_heads,
+            "T": shape.seq,
+            "d": shape.head_dim,
+            "dtype": shape.dtype,
+            "causal": args.causal,
+            "impl": impl,
+            **{f"{which} ms": as_cell(median_time([r[which] for r in repeats]), 4) for which in args.passes},
+        }
+        for (shape, impl), repeats in zip(cells, measured, strict=True)
+    ]
     df = add_ratios(pd.DataFrame(rows), args.passes, args.causal)
     print_table(
         df.drop(columns=["causal"]),
