@@ -113,13 +113,15 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, .
     return tensors if plan.precision != "tf32x3" else tuple(_tf32_parts(t) for t in tensors)
 
 
-# Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 16384 at
-# B * H = 1 and d = 64) are host-bound: a call's Python and launches take longer than its kernels.
-# Their kernels build their own tensor descriptors (a host-built one costs ~15 us of Python and a
-# driver call, 4 per forward and 11 per backward) and their backward adds dQ up without atomics
-# (whose float32 sum costs two more tensor ops). Above it the host builds the descriptors, which
-# spares every program a descriptor write and fence (1-5% of a large problem, PERF.md run 4).
-SMALL_PROBLEM_WORK = 16384 * 16384 * 64
+# Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 32768 at
+# B * H = 1 and d = 64) are host-bound or close to it: a call's Python and launches take about as long
+# as its kernels. Their kernels build their own tensor descriptors (a host-built one costs 15-40 us of
+# Python and a driver call, 4 per forward and 11 per backward: a forward+backward of the host-built
+# path took 0.6-0.7 ms of host time on an H100 machine, more than the ~0.5 ms of kernels at T = 16384,
+# B * H = 1, d = 64) and their backward adds dQ up without atomics (whose float32 sum costs two more
+# tensor ops). Above it the host builds the descriptors, which spares every program a descriptor write
+# and fence (1-5% of a large problem, PERF.md run 4).
+SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 
 
 def _host_descriptors(device: torch.device, work: int) -> bool:
