@@ -7,24 +7,13 @@ dtype bfloat16 unless named).
 """
 
 import sys
-import time
 
 import torch
+from host_timing import host_us
 from triton.testing import do_bench
 
 from flashattn_triton import FlashAttentionTriton
 from flashattn_triton.triton_impl import triton_backward, triton_forward
-
-
-def host_ms(fn, calls: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e3
 
 
 def report(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype) -> None:
@@ -57,7 +46,8 @@ def report(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype) -> Non
         mallocs = torch.cuda.memory_stats().get("segment.all.allocated", 0)
         times = [do_bench(fn, warmup=5, rep=25, return_mode="median") for _ in range(3)]
         grown = torch.cuda.memory_stats().get("segment.all.allocated", 0) - mallocs
-        print(f"{name:32} do_bench x3 {' '.join(f'{ms:.4f}' for ms in times)} ms, host {host_ms(fn):.4f} ms "
+        host_ms = host_us(fn, calls=50, warmup=1) / 1e3
+        print(f"{name:32} do_bench x3 {' '.join(f'{ms:.4f}' for ms in times)} ms, host {host_ms:.4f} ms "
               f"a call (cudaMalloc calls during timing: {grown})")  # fmt: skip
 
     events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]

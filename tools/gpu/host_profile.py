@@ -9,6 +9,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from host_timing import host_us
 
 from flashattn_triton import FlashAttentionTriton
 from flashattn_triton.triton_impl import triton_backward, triton_forward
@@ -17,19 +18,6 @@ q, k, v = (
     torch.randn(1, 1, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
 )
 grad = torch.randn_like(q)
-
-
-def host_us(fn, calls: int = 300) -> float:
-    """Microseconds of host time a call, after a warm-up (no synchronization inside the loop)."""
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def forward():
