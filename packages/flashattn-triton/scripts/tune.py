@@ -29,9 +29,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CAUSAL = True
 
 
-EXTRA: dict[str, list] = {"fwd": [], "bwd": []}  # --extra: configs tried beside _configs.py's
-
-
 def parse_extra(text: str) -> dict[str, list]:
     """'bwd:64/128/8/2/1,fwd:64/128/4/3' -> {"fwd": [ForwardConfig(...)], "bwd": [BackwardConfig(...)]}"""
     extra: dict[str, list] = {"fwd": [], "bwd": []}
@@ -44,11 +41,12 @@ def parse_extra(text: str) -> dict[str, list]:
     return extra
 
 
-def candidates(which: str, head_dim: int, dtype: torch.dtype) -> list:
+def candidates(which: str, head_dim: int, dtype: torch.dtype, extra: dict[str, list]) -> list:
+    """_configs.py's candidates, then the --extra ones not among them."""
     size = torch.empty((), dtype=dtype).element_size()
     table = forward_candidates if which == "fwd" else backward_candidates
     listed = table(_block_d(head_dim), size, False)
-    return listed + [c for c in EXTRA[which] if c not in listed]
+    return listed + [c for c in extra[which] if c not in listed]
 
 
 def inputs(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype):
@@ -129,7 +127,7 @@ def main() -> None:
     parser.add_argument("--precompile-only", action="store_true")
     parser.add_argument("--out", default="tune.csv")
     args = parser.parse_args()
-    EXTRA.update(parse_extra(args.extra))
+    extra = parse_extra(args.extra)
     os.environ["FLASHATTN_TRITON_AUTOTUNE"] = "0"  # each candidate is timed here, by name
     from triton.testing import do_bench
 
@@ -141,7 +139,7 @@ def main() -> None:
         return which, config, 1 if bh == 1 else 16, d, dtype, large
 
     jobs = sorted({compile_key(which, config, *shape) for shape in shapes for which in ("fwd", "bwd")
-                   for config in candidates(which, shape[2], DTYPES[shape[3]])}, key=str)
+                   for config in candidates(which, shape[2], DTYPES[shape[3]], extra)}, key=str)
     start = time.time()
     failed = {}
     context = multiprocessing.get_context("spawn")
@@ -164,7 +162,7 @@ def main() -> None:
         sdpa_ms, (ref_out, ref_grads) = time_sdpa(q, k, v, grad_out, args.rep)
         for which in ("fwd", "bwd"):
             flops = 4.0 * bh * seq * seq * d / 2 * (1.0 if which == "fwd" else 2.5)
-            for config in candidates(which, d, dtype):
+            for config in candidates(which, d, dtype, extra):
                 if compile_key(which, config, bh, seq, d, dtype_name) in failed:
                     continue
                 fn = runner(which, config, bh, seq, d, dtype)

@@ -55,10 +55,8 @@ def _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOC
 def _input_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                       INPUT_PRECISION: tl.constexpr):  # fmt: skip
     """_descriptor of an input, which under tf32x3 holds 2 * batch (high parts, then remainders)."""
-    if INPUT_PRECISION == "tf32x3":
-        return _descriptor(arg, 2 * batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D)
-    else:
-        return _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D)
+    parts = 2 if INPUT_PRECISION == "tf32x3" else 1
+    return _descriptor(arg, parts * batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D)
 
 
 @triton.jit

@@ -109,7 +109,8 @@ def _tf32_parts(x4: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3."""
+    """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
+    pass: saving the forward's for the backward would hold twice the inputs in between)."""
     return tensors if plan.precision != "tf32x3" else tuple(_tf32_parts(t) for t in tensors)
 
 
@@ -347,14 +348,14 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
-    q4, k4, v4 = _kernel_inputs(plan, q4, k4, v4)
+    q_in, k_in, v_in = _kernel_inputs(plan, q4, k4, v4)
 
     def launcher(c: ForwardConfig) -> _Launcher:
         return _Launcher(kernels.attn_fwd, (-(-seqlen_q // c.block_m) * batch * heads,), c)
 
     def args(c: ForwardConfig) -> tuple:
-        return (_tiles(q4, c.block_m, block_d, host), _tiles(k4, c.block_n, block_d, host),
-                _tiles(v4, c.block_n, block_d, host), _tiles(o4, c.block_m, block_d, host), lse,
+        return (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
+                _tiles(v_in, c.block_n, block_d, host), _tiles(o4, c.block_m, block_d, host), lse,
                 batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
                 c.block_m, c.block_n, block_d, is_causal, plan.precision)  # fmt: skip
 
