@@ -77,6 +77,27 @@ def test_other_tile_shapes(problem, is_causal, backward):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["D-in-kernel", "D-preprocess"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_backward_computes_d_in_its_kernel_for_small_problems(problem, monkeypatch, small, dtype):
+    """D = rowsum(dO * O) comes from the backward kernel itself for small problems (no preprocess launch)
+    and from the preprocess above the threshold; float32 at full accuracy (TF32 parts) always takes the
+    preprocess, float32 with TF32 allowed the kernel."""
+    if not small:
+        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # plain TF32 products: float32 takes the in-kernel D too
+    try:
+        p = problem((2,), 45, 45, 32, dtype, True, scale=0.25)
+        out, lse = triton_forward(p.q, p.k, p.v, True, 0.25)
+        grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, 0.25)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+    (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
+    assert (plan.preprocess is None) == small
+
+
 def test_launchers_take_inputs_that_require_grad(problem):
     """Called outside autograd (tuning scripts, tools) on float32 inputs that require grad: the same
     results as on detached ones (the float32 path splits its inputs into TF32 parts first)."""

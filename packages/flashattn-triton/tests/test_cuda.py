@@ -202,9 +202,10 @@ def test_backward_variants(problem, config, dtype, head_dim):
 
 
 def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
-    """A layout's first call goes through Triton's JIT (3 kernels: forward, D, backward), its later
-    calls launch the compiled kernels directly; a layout that differs only in what the JIT specializes
-    on (T % 16, a base address off 16 bytes) gets a plan of its own and stays exact."""
+    """A layout's first call goes through Triton's JIT (2 kernels: forward, backward; a problem this small
+    computes D in the backward kernel, with no preprocess launch), its later calls launch the compiled
+    kernels directly; a layout that differs only in what the JIT specializes on (T % 16, a base address
+    off 16 bytes) gets a plan of its own and stays exact."""
     kernels = triton_impl._kernels()
     jit_runs = []
     for fn in (kernels.attn_fwd, kernels.attn_bwd_preprocess, kernels.attn_bwd):
@@ -226,7 +227,18 @@ def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
         p.check(out, q, k, v)
         runs_per_call.append(len(jit_runs))
         jit_runs.clear()
-    assert runs_per_call == [3, 0, 3, 0, 3]
+    assert runs_per_call == [2, 0, 2, 0, 2]
+
+
+def test_scratch_memory_is_kept_per_stream(monkeypatch):
+    """Kernel-built descriptors' scratch: one buffer a stream, reused while it is big enough."""
+    monkeypatch.setattr(triton_impl, "_scratch_buffers", {})
+    first = triton_impl._scratch(1024, 128, 1)
+    assert triton_impl._scratch(512, 128, 1) is first
+    grown = triton_impl._scratch(4096, 128, 1)
+    assert grown.numel() >= 4096 and grown.is_cuda
+    assert triton_impl._scratch(4096, 128, 1) is grown
+    assert triton_impl._scratch(512, 128, 2) is not grown
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -240,11 +240,26 @@ def attn_bwd_preprocess(
 
 
 @triton.jit
+def _row_delta(delta_src, do, z, h, row, seqlen_q, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr, DELTA_FROM_O: tl.constexpr):  # fmt: skip
+    """D of the rows [row, row + BLOCK_T): read from the preprocess's output (delta_src points at this
+    head's D), or under DELTA_FROM_O computed here as rowsum(dO * O) from the dO tile in hand and O's
+    (delta_src a descriptor of O; not under tf32x3, whose dO is in parts). Rows past the end get 0."""
+    if DELTA_FROM_O:
+        o = _load_tile(delta_src, z, h, row, BLOCK_T, BLOCK_D)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    else:
+        rows = row + tl.arange(0, BLOCK_T)
+        delta = _load_rows(delta_src + rows, rows, seqlen_q, 0.0, CHECK_ROWS)
+    return delta
+
+
+@triton.jit
 def _bwd_query_tiles(
-    dk, dv, k, k_low, v, v_low, k_dq, q_desc, do_desc, bh, z, batch, h, l_ptrs, delta_ptrs, dq_acc,
+    dk, dv, k, k_low, v, v_low, k_dq, q_desc, do_desc, bh, z, batch, h, l_ptrs, delta_src, dq_acc,
     dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K; under tf32x3 K_dq = K and the
@@ -263,7 +278,7 @@ def _bwd_query_tiles(
         do, do_low = _load_parts(do_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
         p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
         dv = _dot(p_high, p_low, do, do_low, dv, INPUT_PRECISION)
-        delta = _load_rows(delta_ptrs + rows, rows, seqlen_q, 0.0, ROW_MASK)
+        delta = _row_delta(delta_src, do, z, h, start_m, seqlen_q, BLOCK_M, BLOCK_D, ROW_MASK, DELTA_FROM_O)
         dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
         ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
         dk = _dot(ds_high, ds_low, q, q_low, dk, INPUT_PRECISION)
@@ -299,10 +314,10 @@ def _bwd_key_tiles(
 
 @triton.jit
 def attn_bwd(
-    Q_S, DO_S, K_S, V_S, Q_T, DO_T, K_T, V_T, DQ, DK, DV, L, Delta, DQ_ACC,
+    Q_S, DO_S, K_S, V_S, Q_T, DO_T, K_T, V_T, DQ, DK, DV, L, Delta, O_S, O_T, DQ_ACC,
     batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
@@ -315,8 +330,12 @@ def attn_bwd(
     phase is skipped: 5 matrix products per tile pair instead of 7, paid for in reduction traffic (TMA
     reductions when DQ_ACC is a descriptor, element atomics when a pointer). Grid: (key tiles * Z * H,).
 
-    Q_S, DO_S, K_S, V_S move tiles of BLOCK_M rows (the steps); Q_T, DO_T, K_T, V_T, DQ, DK, DV tiles
-    of BLOCK_N rows (the program's own).
+    D = rowsum(dO * O) comes from Delta (attn_bwd_preprocess) or, under DELTA_FROM_O, from O's tiles
+    next to each dO tile (O_S, O_T; Delta unused): one launch less for small problems, whose host time
+    counts more than the extra loads.
+
+    Q_S, DO_S, K_S, V_S, O_S move tiles of BLOCK_M rows (the steps); Q_T, DO_T, K_T, V_T, O_T, DQ, DK, DV
+    tiles of BLOCK_N rows (the program's own).
     """
     if ATOMIC_DQ:
         num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
@@ -329,7 +348,12 @@ def attn_bwd(
     h = bh % heads
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
-    delta_base = Delta + bh.to(tl.int64) * seqlen_q
+    if DELTA_FROM_O:
+        delta_step = _descriptor(O_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
+        delta_own = _descriptor(O_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
+    else:
+        delta_step = Delta + bh.to(tl.int64) * seqlen_q
+        delta_own = delta_step
     q_step = _input_descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     do_step = _input_descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
 
@@ -353,23 +377,23 @@ def attn_bwd(
             first = (start // BLOCK_M) * BLOCK_M
             diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
             dk, dv = _bwd_query_tiles(
-                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_base,
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
-                scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, INPUT_PRECISION,
+                scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
             )  # fmt: skip
             unmasked_start = diagonal_end
         else:
             unmasked_start = 0
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_base, DQ_ACC,
+            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step, DQ_ACC,
             dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D, False,
-            False, ATOMIC_DQ, INPUT_PRECISION,
+            False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
         )  # fmt: skip
         # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
         dk, dv = _bwd_query_tiles(
-            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_base, DQ_ACC,
+            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step, DQ_ACC,
             dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale, scale,
-            BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, INPUT_PRECISION,
+            BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
         )  # fmt: skip
         _store_tile(_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                     (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
@@ -386,7 +410,7 @@ def attn_bwd(
             q, q_low = _load_parts(q_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
             do, do_low = _load_parts(do_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
             l2 = _load_rows(l_base + offs_m, offs_m, seqlen_q, float("inf"), True) * _LOG2E
-            delta = _load_rows(delta_base + offs_m, offs_m, seqlen_q, 0.0, True)
+            delta = _row_delta(delta_own, do, z, h, start, seqlen_q, BLOCK_N, BLOCK_D, True, DELTA_FROM_O)
             dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             k_step = _input_descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip

@@ -121,7 +121,8 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, .
 # path took 0.6-0.7 ms of host time on an H100 machine, more than the ~0.5 ms of kernels at T = 16384,
 # B * H = 1, d = 64) and their backward adds dQ up without atomics (whose float32 sum costs two more
 # tensor ops). Above it the host builds the descriptors, which spares every program a descriptor write
-# and fence (1-5% of a large problem, PERF.md run 4).
+# and fence (1-5% of a large problem, PERF.md run 4). Their backward computes D = rowsum(dO * O) in its
+# kernel, saving the preprocess launch.
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 
 
@@ -168,8 +169,16 @@ def _tiles(x4: torch.Tensor, rows: int, block_d: int, host: bool) -> Any:
     return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, rows, block_d])
 
 
+_scratch_buffers: dict[int | None, torch.Tensor] = {}
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Scratch memory of one launch: a buffer kept per stream and grown as needed (an allocation a launch
+    is host time). Sharing it is safe because the launches of one stream run one after another."""
+    buffer = _scratch_buffers.get(stream)
+    if buffer is None or buffer.numel() < size:
+        buffer = _scratch_buffers[stream] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buffer
 
 
 def _set_allocator() -> None:
@@ -234,6 +243,7 @@ class _Plan:
     the config chosen and its launchers."""
 
     host: bool
+    small: bool  # below SMALL_PROBLEM_WORK
     head_dim: int
     block_d: int
     precision: str
@@ -266,12 +276,13 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         work = batch_heads * seqlen_q * seqlen_k * q.shape[-1]
         table = forward_candidates if pass_name == "fwd" else backward_candidates
         candidates = table(block_d, q.element_size(), _interpreted())
-        if pass_name == "bwd" and work < SMALL_PROBLEM_WORK:  # host-bound: no atomic dQ (see there)
+        small = work < SMALL_PROBLEM_WORK
+        if pass_name == "bwd" and small:  # host-bound: no atomic dQ (see there)
             candidates = [c for c in candidates if not c.atomic_dq] or candidates
         tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision,
                     _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads))  # fmt: skip
         host = _host_descriptors(q.device, work)
-        plan = _plans[key] = _Plan(host, head_dim, block_d, precision, candidates, tune_key, config)
+        plan = _plans[key] = _Plan(host, small, head_dim, block_d, precision, candidates, tune_key, config)
     return plan
 
 
@@ -369,7 +380,8 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     grad_out: torch.Tensor, is_causal: bool, scale: float,
                     config: BackwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O), then dK/dV and dQ in one launch."""
+    """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
+    problem is small), then dK/dV and dQ in one launch."""
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
@@ -379,7 +391,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
-    delta = torch.empty_like(lse)
+    # D = rowsum(dO * O): computed by the kernel itself for small problems (not from tf32x3's parts, which
+    # would spill), else by a preprocess launch into `delta`.
+    delta_from_o = plan.small and plan.precision != "tf32x3"
+    delta = None if delta_from_o else torch.empty_like(lse)
     q_in, do_in, k_in, v_in = _kernel_inputs(plan, q4, do4, k4, v4)
     # dQ of the atomic variant: a float32 sum, zeroed before each run, padded to whole tiles of up to
     # 128 rows so that its updates need no masks.
@@ -397,20 +412,22 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         step = [_tiles(t, c.block_m, block_d, host) for t in (q_in, do_in, k_in, v_in)]
         own = [_tiles(t, c.block_n, block_d, host) for t in (q_in, do_in, k_in, v_in, dq4, dk4, dv4)]
         # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
-        accumulator = _tiles(dq_acc, c.block_m, block_d, host and q.is_cuda) if c.atomic_dq else lse
-        return (*step, *own, lse, delta, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows,
-                scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal, c.atomic_dq,
-                plan.precision)  # fmt: skip
+        accumulator = _tiles(dq_acc, c.block_m, block_d, host and q.is_cuda) if c.atomic_dq else None
+        outs = [_tiles(o4, rows, block_d, host) if delta_from_o else None for rows in (c.block_m, c.block_n)]
+        return (*step, *own, lse, delta, *outs, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim,
+                dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
+                c.atomic_dq, delta_from_o, plan.precision)  # fmt: skip
 
     if not host:
         _set_allocator()
     preprocess_rows = 64
     with _device_guard(q):
-        if plan.preprocess is None:
-            grid = (batch * heads, -(-seqlen_q // preprocess_rows))
-            plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
-        plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
-                        block_d, preprocess_rows)  # fmt: skip
+        if delta is not None:
+            if plan.preprocess is None:
+                grid = (batch * heads, -(-seqlen_q // preprocess_rows))
+                plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
+            plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
+                            block_d, preprocess_rows)  # fmt: skip
         used = _run(plan, launcher, args)
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
