@@ -19,6 +19,7 @@ float32 at full accuracy (INPUT_PRECISION "tf32x3") runs as three TF32 products 
 passes each input as a pair, high parts in batches [0, Z) and remainders in [Z, 2Z) of one (2Z, H, T, d)
 tensor, so that tiles reach the matrix units from shared memory like any other load; only P and dS are
 split in registers. (Triton's own tf32x3 splits every operand in registers, which spills at d = 128.)
+The forward's V comes transposed (see _load_value_parts).
 
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
@@ -60,6 +61,25 @@ def _input_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr
 
 
 @triton.jit
+def _value_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """_input_descriptor of V in the forward. Under tf32x3, V's parts come transposed, (2 * batch, H,
+    head_dim, T) with rows padded to 16 bytes, in (BLOCK_D, BLOCK_T) tiles (see _load_value_parts)."""
+    if INPUT_PRECISION != "tf32x3":
+        return _input_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D, INPUT_PRECISION)
+    elif isinstance(arg, tl.tensor_descriptor):
+        return arg
+    else:
+        row = (tl.cdiv(seqlen, 4) * 4).to(tl.int64)
+        return tl.make_tensor_descriptor(
+            arg,
+            shape=[2 * batch, heads, head_dim, seqlen],
+            strides=[heads * head_dim * row, head_dim * row, row, 1],
+            block_shape=[1, 1, BLOCK_D, BLOCK_T],
+        )
+
+
+@triton.jit
 def _load_tile(desc, z, h, row, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     return desc.load([z, h, row, 0]).reshape(BLOCK_T, BLOCK_D)
 
@@ -75,6 +95,20 @@ def _load_parts(desc, z, batch, h, row, BLOCK_T: tl.constexpr, BLOCK_D: tl.const
     else:
         low = tile
     return tile, low
+
+
+@triton.jit
+def _load_value_parts(desc, z, batch, h, row, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """_load_parts of a V tile from _value_descriptor. Under tf32x3 the tiles arrive transposed and are
+    used as (BLOCK_T, BLOCK_D) views with T contiguous in shared memory: TF32 wgmma takes its B operand
+    only K-major, and a row-major V tile would be transposed through registers on every step."""
+    if INPUT_PRECISION == "tf32x3":
+        high = desc.load([z, h, 0, row]).reshape(BLOCK_D, BLOCK_T)
+        low = desc.load([z + batch, h, 0, row]).reshape(BLOCK_D, BLOCK_T)
+        return tl.trans(high), tl.trans(low)
+    else:
+        return _load_parts(desc, z, batch, h, row, BLOCK_T, BLOCK_D, INPUT_PRECISION)
 
 
 @triton.jit
@@ -164,7 +198,7 @@ def _fwd_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_value_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
         acc = _dot(p, p_low, v, v_low, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
@@ -188,7 +222,7 @@ def attn_fwd(
     h = bh % heads
     q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     k_desc = _input_descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-    v_desc = _input_descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+    v_desc = _value_descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
     o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)

@@ -98,20 +98,27 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _tf32_parts(x4: torch.Tensor) -> torch.Tensor:
+def _tf32_parts(x4: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """A float32 (Z, H, T, d) tensor as the (2Z, H, T, d) pair the tf32x3 kernels read: x with its 13 low
-    mantissa bits cleared (exactly TF32), then the remainders x - high."""
+    mantissa bits cleared (exactly TF32), then the remainders x - high. Transposed: as (2Z, H, d, T),
+    its rows padded to 16 bytes (the view holds the first T columns)."""
     x4 = x4.detach()  # the launchers are also called outside autograd, on inputs that require grad
-    parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
+    if transposed:
+        x4 = x4.transpose(-1, -2)
+        seqlen = x4.shape[-1]
+        padded = -(-seqlen // 4) * 4
+        parts = torch.empty((2, *x4.shape[:-1], padded), dtype=x4.dtype, device=x4.device)[..., :seqlen]
+    else:
+        parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
     torch.bitwise_and(x4.view(torch.int32), -8192, out=parts[0].view(torch.int32))
     torch.sub(x4, parts[0], out=parts[1])
-    return parts.view(-1, *x4.shape[1:])
+    return parts.flatten(0, 1)
 
 
-def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
     pass: saving the forward's for the backward would hold twice the inputs in between)."""
-    return tensors if plan.precision != "tf32x3" else tuple(_tf32_parts(t) for t in tensors)
+    return tensors if plan.precision != "tf32x3" else tuple(_tf32_parts(t, transposed) for t in tensors)
 
 
 # Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 32768 at
@@ -156,8 +163,8 @@ def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
     return x4 if addressable else x4.clone(memory_format=torch.contiguous_format)
 
 
-def _tiles(x4: torch.Tensor, rows: int, block_d: int, host: bool) -> Any:
-    """A descriptor moving (rows, block_d) tiles of x4, or x4 itself for the kernels to describe."""
+def _tiles(x4: torch.Tensor, rows: int, cols: int, host: bool) -> Any:
+    """A descriptor moving (rows, cols) tiles of x4, or x4 itself for the kernels to describe."""
     if not host:
         return x4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -166,7 +173,7 @@ def _tiles(x4: torch.Tensor, rows: int, block_d: int, host: bool) -> Any:
     for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
         if x4.shape[i] == 1:
             strides[i] = strides[i + 1] * x4.shape[i + 1]
-    return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, rows, block_d])
+    return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, rows, cols])
 
 
 _scratch_buffers: dict[int | None, torch.Tensor] = {}
@@ -359,14 +366,17 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
-    q_in, k_in, v_in = _kernel_inputs(plan, q4, k4, v4)
+    q_in, k_in = _kernel_inputs(plan, q4, k4)
+    (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
+    v_transposed = plan.precision == "tf32x3"
 
     def launcher(c: ForwardConfig) -> _Launcher:
         return _Launcher(kernels.attn_fwd, (-(-seqlen_q // c.block_m) * batch * heads,), c)
 
     def args(c: ForwardConfig) -> tuple:
         return (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
-                _tiles(v_in, c.block_n, block_d, host), _tiles(o4, c.block_m, block_d, host), lse,
+                _tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
+                _tiles(o4, c.block_m, block_d, host), lse,
                 batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
                 c.block_m, c.block_n, block_d, is_causal, plan.precision)  # fmt: skip
 
