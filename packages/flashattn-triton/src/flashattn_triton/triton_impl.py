@@ -387,6 +387,14 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return (o4 if o4.shape == q.shape else o4[..., : q.shape[-1]].reshape(q.shape)), lse
 
 
+def _gradient_buffers(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty dQ, dK, dV: slices of one allocation when their shapes agree (an allocation costs host time
+    that small problems notice), each then laid out as a contiguous tensor of its own."""
+    if q4.shape == k4.shape:
+        return torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
+
+
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     grad_out: torch.Tensor, is_causal: bool, scale: float,
                     config: BackwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -398,7 +406,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, config)
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4, o4, do4 = (_kernel_view(t, head_dim, host) for t in (q, k, v, out, grad_out))
-    dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
+    dq4, dk4, dv4 = _gradient_buffers(q4, k4, v4)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     # D = rowsum(dO * O): computed by the kernel itself for small problems (not from tf32x3's parts, which
