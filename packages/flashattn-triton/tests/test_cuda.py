@@ -8,7 +8,14 @@ import warnings
 import pytest
 import torch
 
-from flashattn_triton import FlashAttentionTorch, FlashAttentionTriton, _configs, flash_attention, triton_impl
+from flashattn_triton import (
+    FlashAttentionTorch,
+    FlashAttentionTriton,
+    _configs,
+    _hopper,
+    flash_attention,
+    triton_impl,
+)
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton.torch_impl import _backward_key_tile, _CompiledOnCuda
 
@@ -199,6 +206,46 @@ def test_backward_variants(problem, config, dtype, head_dim):
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, head_dim**-0.5)
     grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, head_dim**-0.5, config)
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
+needs_hopper_gluon = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _hopper.available()),
+    reason="the Gluon backward needs an sm_90 GPU and a Triton with Gluon for Hopper",
+)
+
+
+@needs_hopper_gluon
+@pytest.mark.parametrize(("dtype", "lead", "seqlen", "is_causal"), [
+    (torch.bfloat16, (2, 3), 256, True),
+    (torch.bfloat16, (1, 2), 384, False),
+    (torch.float16, (3,), 512, True),
+])  # fmt: skip
+def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, is_causal):
+    """The Gluon kernel (named explicitly: problems this small would otherwise take the small path)."""
+    monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    p = problem(lead, seqlen, seqlen, 64, dtype, is_causal, device="cuda", scale=0.1)
+    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1)
+    poison_allocator()
+    grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.1,
+                                        _configs.HOPPER_BACKWARD[0])  # fmt: skip
+    p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
+@needs_hopper_gluon
+def test_tuner_offers_the_hopper_kernel_only_where_it_applies(problem, monkeypatch):
+    """A candidate for contiguous 16-bit d = 64 problems with T a multiple of 128; never for others."""
+    monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    offered = {}
+    problems = [("eligible", 256, "contiguous", 64), ("ragged", 250, "contiguous", 64),
+                ("transposed", 256, "transposed", 64), ("d=32", 256, "contiguous", 32)]
+    for name, seqlen, layout, head_dim in problems:
+        p = problem((1, 2), seqlen, seqlen, head_dim, torch.bfloat16, True, device="cuda", layout=layout)
+        out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 0.125)
+        triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, 0.125)
+        (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
+        offered[name] = any(c.hopper for c in plan.candidates)
+        triton_impl._plans.clear()
+    assert offered == {"eligible": True, "ragged": False, "transposed": False, "d=32": False}
 
 
 def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):

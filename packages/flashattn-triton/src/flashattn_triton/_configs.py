@@ -32,7 +32,8 @@ class ForwardConfig:
 class BackwardConfig:
     """Each program owns block_n keys and block_n queries; for dK/dV it steps through the queries
     block_m at a time, for dQ through the keys. With atomic_dq, dQ is instead added up atomically from
-    the dK/dV loop."""
+    the dK/dV loop. With hopper, the Gluon kernel of _hopper runs it (block_n / 16 consumer warps plus a
+    loader warp, num_stages ring stages)."""
 
     block_m: int
     block_n: int
@@ -40,10 +41,15 @@ class BackwardConfig:
     num_stages: int
     atomic_dq: bool = False
     max_registers: int | None = None
+    hopper: bool = False
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
         _check_blocks(self, ["block_m", "block_n"], 128)
+        fits_hopper = self.atomic_dq and self.num_warps * 16 == self.block_n and self.num_stages >= 2
+        if self.hopper and not fits_hopper:
+            raise ValueError(f"{self}: the Hopper kernel adds dQ atomically (atomic_dq=True), gives each "
+                             "warp 16 keys (num_warps = block_n / 16) and needs num_stages >= 2")
 
 
 # Small tiles for the interpreter: several tiles per test problem, so every mask path runs.
@@ -90,8 +96,16 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
     return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
+# The Gluon backward on Hopper (PERF.md v12), for the problems _hopper.supports; the launcher's tuner
+# times it next to the Triton-language candidates.
+HOPPER_BACKWARD = [B(64, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True)]
+
+
 def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardConfig | None:
-    """The next config down for a GPU with less shared memory: fewer stages, then smaller tiles."""
+    """The next config down for a GPU with less shared memory: fewer stages, then smaller tiles (the
+    Hopper kernel steps down to the Triton-language kernel: its ring needs two stages)."""
+    if isinstance(config, BackwardConfig) and config.hopper:
+        return replace(config, hopper=False, max_registers=None)
     if config.num_stages > 1:
         return replace(config, num_stages=config.num_stages - 1)
     if config.block_n > 16:

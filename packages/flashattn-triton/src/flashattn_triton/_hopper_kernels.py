@@ -1,0 +1,246 @@
+"""Gluon kernels of the Hopper backward (see _hopper, which imports this module only where Triton has
+Gluon for Hopper; the import fails elsewhere)."""
+
+from __future__ import annotations
+
+import torch
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LOG2E = 1.4426950408889634
+_LOG2E = gl.constexpr(LOG2E)
+_LOADER_WARPS = gl.constexpr(1)
+_ELEMENTS = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def tiles(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over a contiguous 1-D or 2-D t, moving `block` tiles through NVMMA-swizzled
+    shared memory (the layout wgmma reads)."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, _ELEMENTS[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[coord : coord + block] += src (shared memory), one TMA bulk reduction. Gluon 3.6 has no
+    wrapper; this is the op tl's descriptor atomic_add lowers to. Completion is tracked like a TMA
+    store's: tma.store_wait(n) returns once all but the n newest have read their source."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    add = ir.DESCRIPTOR_REDUCE_KIND.ADD
+    _semantic.builder.create_async_tma_reduce(add, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.constexpr_function
+def mma_layout(num_warps, n):
+    """wgmma accumulator layout of an [M, n] tile with every warp along M (M = 16 * num_warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def dq_layout(num_warps, block_d):
+    """wgmma layout of the dQ product [64 queries, d]: the warpgroups split d."""
+    groups = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                     instr_shape=[16, block_d // groups, 16])  # fmt: skip
+
+
+@gluon.jit
+def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, row, j,
+              STAGES: gl.constexpr):  # fmt: skip
+    """Q, dO, L and D of step j (rows [row, row + BLOCK_M)) into ring stage j % STAGES; all four complete
+    on that stage's `ready` barrier (one arrival plus the transaction bytes)."""
+    s = j % STAGES
+    bar = ready.index(s)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
+                            + dl_desc.block_type.nbytes)  # fmt: skip
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_ring.index(s))
+    tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_ring.index(s))
+    tma.async_copy_global_to_shared(l_desc, [row], bar, l_ring.index(s))
+    tma.async_copy_global_to_shared(dl_desc, [row], bar, dl_ring.index(s))
+
+
+@gluon.jit
+def loader(
+    q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem, v_smem, ready,
+    empty, kv_bar, bh_row, key0, lo, n, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+):  # fmt: skip
+    """The loader partition. Step j reuses stage j % STAGES once the consumers released step j - STAGES
+    on `empty` (its (j // STAGES)-th completion: parity ((j // STAGES) & 1) ^ 1, which a fresh barrier
+    passes at once for j < STAGES)."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [bh_row + key0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [bh_row + key0, 0], kv_bar, v_smem)
+    for j in range(n):
+        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready,
+                  bh_row + lo + j * BLOCK_M, j, STAGES)  # fmt: skip
+
+
+@gluon.jit
+def step(
+    i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty,
+    dq_desc, dk, dv, qk_scale, scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
+    q_layout: gl.constexpr,
+):  # fmt: skip
+    """One query tile of the consumer warpgroups; returns dK and dV (dK still in flight)."""
+    s = i % STAGES
+    m0 = lo + i * BLOCK_M
+    dtype: gl.constexpr = k_smem.dtype
+    # Stage s completes once every STAGES steps: wait for parity (i // STAGES) & 1.
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    q_s = q_ring.index(s)
+    do_s = do_ring.index(s)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    columns: gl.constexpr = gl.SliceLayout(0, s_layout)
+    l2 = l_ring.index(s).load(columns) * _LOG2E
+    delta = dl_ring.index(s).load(columns)
+    # In flight, oldest first: dK(i-1), S(i), dP(i). Down to one retires dK(i-1), the last reader of
+    # Q(i-1) (dV(i-1), the last reader of dO(i-1), retired in step i-1), and S(i).
+    s_t = warpgroup_mma_wait(num_outstanding=1, deps=[s_t])
+    # The dQ reduction of step i-2 must have read dq_ring[i % 2] before it is overwritten below.
+    tma.store_wait(pendings=1)
+    # Every consumer warp is past both waits: stage (i-1) % STAGES and the dQ buffer are free. One
+    # arrival hands the stage back to the loader (none at i = 0).
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
+    if MASK:  # a diagonal tile: keys after the query are invisible
+        keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        queries = m0 + gl.arange(0, BLOCK_M, layout=columns)
+        p_t = gl.where(gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1), p_t, 0.0)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[dp_t])
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+    # dS^T to shared memory for the dQ product (its last reader, dQ(i-1), retired in step i-1). Writes
+    # by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, q_layout),
+                       use_acc=False, is_async=True)  # fmt: skip
+    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+    # In flight: dV(i), dQ(i), dK(i). Down to one retires dV(i) and dQ(i); dK(i) runs on.
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
+    # The dQ share through shared memory (fp32) to a TMA reduce-add: fence, barrier, one issue.
+    dq_buf = dq_ring.index(i % 2)
+    dq_buf.store(dq * scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_buf)
+    return dk, dv
+
+
+@gluon.jit
+def consumer(
+    k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar, dq_desc,
+    dk_desc, dv_desc, bh_row, key0, lo, n, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
+    d_layout: gl.constexpr, q_layout: gl.constexpr,
+):  # fmt: skip
+    """The compute partition: the diagonal steps unrolled and masked (under causal; else step 0
+    unrolled, unmasked), then the rest in a loop, then dK and dV out through TMA. Peeling keeps ptxas
+    from serializing every wgmma: a loop that may run zero times would feed zero-initialised
+    accumulators into the epilogue's wait."""
+    FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    mbarrier.wait(kv_bar, 0)
+    for i in gl.static_range(FIRST):
+        dk, dv = step(
+            i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready,
+            empty, dq_desc, dk, dv, qk_scale, scale, CAUSAL, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
+            d_layout, q_layout,
+        )  # fmt: skip
+    for i in range(FIRST, n):
+        dk, dv = step(
+            i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready,
+            empty, dq_desc, dk, dv, qk_scale, scale, False, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
+            d_layout, q_layout,
+        )  # fmt: skip
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
+    # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    k_smem.store((dk * scale).to(k_smem.dtype))
+    v_smem.store(dv.to(v_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dk_desc, [bh_row + key0, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [bh_row + key0, 0], v_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def attn_bwd(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, T, ZH, qk_scale,
+             scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
+    """Grid: (T / BLOCK_N * Z * H,), heaviest first (key tile 0 of every head, then tile 1, ...).
+    Descriptors over (Z*H*T, d) views (dq_desc: float32, zeroed, added into) and (Z*H*T,) for L, D."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
+    gl.static_assert(BLOCK_N % BLOCK_M == 0)
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
+    d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
+    q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
+
+    pid = gl.program_id(0)
+    tile = pid // ZH
+    bh = pid % ZH
+    key0 = tile * BLOCK_N
+    bh_row = bh * T  # this head's first row in the flattened views
+    if CAUSAL:
+        lo = (key0 // BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+    n = (T - lo) // BLOCK_M
+
+    dtype: gl.constexpr = k_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    l_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
+    dl_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    dq_ring = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(kv_bar, count=1)
+    # The barriers' initialisation must be visible to the async proxy (TMA) before it signals them.
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize([
+        (consumer, (k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar,
+                    dq_desc, dk_desc, dv_desc, bh_row, key0, lo, n, qk_scale, scale, CAUSAL, STAGES, BLOCK_M,
+                    BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout)),
+        (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem,
+                  v_smem, ready, empty, kv_bar, bh_row, key0, lo, n, STAGES, BLOCK_M)),
+    ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
+
