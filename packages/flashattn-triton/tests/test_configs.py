@@ -26,7 +26,7 @@ def test_hopper_config_steps_down_to_the_triton_kernel():
 
 def test_described_configs_name_the_hopper_kernel():
     assert triton_impl._describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
-    assert triton_impl._describe(HOPPER_BACKWARD[0]) == "64/128/8/2/1/168 hopper"
+    assert triton_impl._describe(HOPPER_BACKWARD[0]) == "64/128/8/4/1/168 hopper"
 
 
 def test_hopper_kernel_refused_where_it_does_not_apply():

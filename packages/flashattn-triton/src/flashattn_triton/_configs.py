@@ -98,7 +98,7 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 
 # The Gluon backward on Hopper (PERF.md v12), for the problems _hopper.supports; the launcher's tuner
 # times it next to the Triton-language candidates.
-HOPPER_BACKWARD = [B(64, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True)]
+HOPPER_BACKWARD = [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)]
 
 
 def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardConfig | None:
