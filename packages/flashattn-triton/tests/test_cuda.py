@@ -215,15 +215,17 @@ needs_hopper_gluon = pytest.mark.skipif(
 
 
 @needs_hopper_gluon
-@pytest.mark.parametrize(("dtype", "lead", "seqlen", "is_causal"), [
-    (torch.bfloat16, (2, 3), 256, True),
-    (torch.bfloat16, (1, 2), 384, False),
-    (torch.float16, (3,), 512, True),
+@pytest.mark.parametrize(("dtype", "lead", "seqlen", "head_dim", "is_causal"), [
+    (torch.bfloat16, (2, 3), 256, 64, True),
+    (torch.bfloat16, (1, 2), 384, 64, False),
+    (torch.float16, (3,), 512, 64, True),
+    (torch.bfloat16, (2,), 256, 32, True),
+    (torch.bfloat16, (1, 2), 256, 16, False),
 ])  # fmt: skip
-def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, is_causal):
+def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_causal):
     """The Gluon kernel (named explicitly: problems this small would otherwise take the small path)."""
     monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
-    p = problem(lead, seqlen, seqlen, 64, dtype, is_causal, device="cuda", scale=0.1)
+    p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1)
     poison_allocator()
     grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.1,
@@ -233,11 +235,11 @@ def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, is_causal):
 
 @needs_hopper_gluon
 def test_tuner_offers_the_hopper_kernel_only_where_it_applies(problem, monkeypatch):
-    """A candidate for contiguous 16-bit d = 64 problems with T a multiple of 128; never for others."""
+    """A candidate for contiguous 16-bit d <= 64 problems with T a multiple of 128; never for others."""
     monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
     offered = {}
     problems = [("eligible", 256, "contiguous", 64), ("ragged", 250, "contiguous", 64),
-                ("transposed", 256, "transposed", 64), ("d=32", 256, "contiguous", 32)]
+                ("transposed", 256, "transposed", 64), ("d=48", 256, "contiguous", 48)]
     for name, seqlen, layout, head_dim in problems:
         p = problem((1, 2), seqlen, seqlen, head_dim, torch.bfloat16, True, device="cuda", layout=layout)
         out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 0.125)
@@ -245,7 +247,7 @@ def test_tuner_offers_the_hopper_kernel_only_where_it_applies(problem, monkeypat
         (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
         offered[name] = any(c.hopper for c in plan.candidates)
         triton_impl._plans.clear()
-    assert offered == {"eligible": True, "ragged": False, "transposed": False, "d=32": False}
+    assert offered == {"eligible": True, "ragged": False, "transposed": False, "d=48": False}
 
 
 def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+HEAD_DIMS = (16, 32, 64)  # larger ones spill (d = 128: 352 bytes, slower than the Triton kernel)
 LOADER_REGISTERS = 24  # the loader only issues TMA copies; setmaxnreg gives the rest to the consumers
 
 
@@ -43,9 +44,10 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
-    """Whether the Gluon backward runs this problem: Hopper, 16-bit, d = 64, Tq = Tk a multiple of 128,
-    contiguous q, k, v, out and dO (tensors)."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and head_dim == q.shape[-1] == 64):
+    """Whether the Gluon backward runs this problem: Hopper, 16-bit, d = 16, 32 or 64, Tq = Tk a multiple
+    of 128, contiguous q, k, v, out and dO (tensors)."""
+    sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
+    if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS):
         return False
     seqlen = q.shape[-2]
     if seqlen % 128 or any(t.shape != q.shape or not t.is_contiguous() for t in tensors):

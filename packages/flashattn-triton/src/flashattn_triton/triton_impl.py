@@ -293,9 +293,11 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         if hopper:
             candidates = HOPPER_BACKWARD + candidates
         elif config is not None and getattr(config, "hopper", False):
-            raise ValueError(f"config {config}: the Hopper kernel runs 16-bit problems with head dim 64, "
-                             "Tq = Tk a multiple of 128 and contiguous inputs, on sm_90 with Gluon, above "
-                             f"the small-problem size; not q {tuple(q.shape)} {q.dtype} on {q.device}")
+            raise ValueError(
+                f"config {config}: the Hopper kernel runs 16-bit problems with head dim 16, 32 or 64, "
+                "Tq = Tk a multiple of 128, contiguous inputs, on sm_90 with Gluon, above the small-problem "
+                f"size; not q {tuple(q.shape)} {q.dtype} on {q.device}"
+            )
         tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision,
                     _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads), hopper)  # fmt: skip
         host = _host_descriptors(q.device, work)
