@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashattn_triton import _hopper, triton_impl
-from flashattn_triton._configs import HOPPER_BACKWARD, BackwardConfig, smaller
+from flashattn_triton._configs import HOPPER_BACKWARD, HOPPER_FORWARD, BackwardConfig, ForwardConfig, smaller
 
 
 def test_hopper_config_must_fit_the_kernel():
@@ -18,21 +18,34 @@ def test_hopper_config_must_fit_the_kernel():
         BackwardConfig(64, 128, 8, 1, atomic_dq=True, hopper=True)
 
 
-def test_hopper_config_steps_down_to_the_triton_kernel():
-    (config,) = HOPPER_BACKWARD
-    triton_config = BackwardConfig(config.block_m, config.block_n, config.num_warps, config.num_stages, True)
-    assert smaller(config) == triton_config
+def test_hopper_forward_config_must_fit_the_kernel():
+    with pytest.raises(ValueError, match="block_n = block_m"):
+        ForwardConfig(128, 64, 4, 2, hopper=True)
+    with pytest.raises(ValueError, match="num_warps = block_m / 32"):
+        ForwardConfig(128, 128, 8, 2, hopper=True)
+
+
+def test_hopper_configs_step_down_to_the_triton_kernels():
+    (backward,) = HOPPER_BACKWARD
+    (forward,) = HOPPER_FORWARD
+    assert smaller(backward) == BackwardConfig(backward.block_m, backward.block_n, backward.num_warps,
+                                               backward.num_stages, atomic_dq=True)  # fmt: skip
+    assert smaller(forward) == ForwardConfig(forward.block_m, forward.block_n, forward.num_warps,
+                                             forward.num_stages)  # fmt: skip
 
 
 def test_described_configs_name_the_hopper_kernel():
     assert triton_impl._describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
     assert triton_impl._describe(HOPPER_BACKWARD[0]) == "64/128/8/4/1/168 hopper"
+    assert triton_impl._describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
 
 
 def test_hopper_kernel_refused_where_it_does_not_apply():
     pytest.importorskip("triton")
     q, k, v, out, grad_out = (torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(5))
-    assert not _hopper.supports(q, (q, k, v, out, grad_out), 64)  # CPU tensors
+    assert not _hopper.supports("bwd", q, (q, k, v, out, grad_out), 64)  # CPU tensors
     lse = torch.zeros(1, 2, 256)
-    with pytest.raises(ValueError, match="the Hopper kernel runs 16-bit problems with head dim 16, 32 or"):
+    with pytest.raises(ValueError, match="16-bit problems with head dim 16 or 32 or 64"):
         triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, 0.125, HOPPER_BACKWARD[0])
+    with pytest.raises(ValueError, match="16-bit problems with head dim 64 or 128"):
+        triton_impl.triton_forward(q, k, v, True, 0.125, HOPPER_FORWARD[0])

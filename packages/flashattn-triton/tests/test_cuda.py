@@ -234,20 +234,39 @@ def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is
 
 
 @needs_hopper_gluon
-def test_tuner_offers_the_hopper_kernel_only_where_it_applies(problem, monkeypatch):
-    """A candidate for contiguous 16-bit d <= 64 problems with T a multiple of 128; never for others."""
+@pytest.mark.parametrize(("dtype", "lead", "seqlen", "head_dim", "is_causal"), [
+    (torch.bfloat16, (2, 3), 256, 64, True),
+    (torch.bfloat16, (1, 2), 384, 128, False),
+    (torch.float16, (3,), 512, 64, True),
+    (torch.bfloat16, (2,), 640, 128, True),
+])  # fmt: skip
+def test_hopper_forward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_causal):
+    monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
+    poison_allocator()
+    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1, _configs.HOPPER_FORWARD[0])
+    p.assert_close({"out": out, "lse": lse})
+
+
+@needs_hopper_gluon
+def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypatch):
+    """Candidates for contiguous 16-bit problems with T a multiple of 128 and a head dim each compiles
+    for (forward 64, 128; backward 16, 32, 64); never for others."""
     monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
     offered = {}
-    problems = [("eligible", 256, "contiguous", 64), ("ragged", 250, "contiguous", 64),
+    problems = [("d=64", 256, "contiguous", 64), ("d=128", 256, "contiguous", 128),
+                ("d=32", 256, "contiguous", 32), ("ragged", 250, "contiguous", 64),
                 ("transposed", 256, "transposed", 64), ("d=48", 256, "contiguous", 48)]
     for name, seqlen, layout, head_dim in problems:
         p = problem((1, 2), seqlen, seqlen, head_dim, torch.bfloat16, True, device="cuda", layout=layout)
         out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 0.125)
         triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, 0.125)
-        (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
-        offered[name] = any(c.hopper for c in plan.candidates)
+        plans = triton_impl._plans.items()
+        offered[name] = {key[0]: any(c.hopper for c in plan.candidates) for key, plan in plans}
         triton_impl._plans.clear()
-    assert offered == {"eligible": True, "ragged": False, "transposed": False, "d=48": False}
+    no = {"fwd": False, "bwd": False}
+    assert offered == {"d=64": {"fwd": True, "bwd": True}, "d=128": {"fwd": True, "bwd": False},
+                       "d=32": {"fwd": False, "bwd": True}, "ragged": no, "transposed": no, "d=48": no}
 
 
 def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):

@@ -23,9 +23,14 @@ class ForwardConfig:
     num_warps: int
     num_stages: int
     max_registers: int | None = None  # a per-thread register cap (Triton's maxnreg): more programs per SM
+    hopper: bool = False  # the Gluon kernel of _hopper: two consumers of block_m / 2 rows, num_warps each
 
     def __post_init__(self) -> None:
         _check_blocks(self, ["block_m", "block_n"], 256)
+        if self.hopper and not (self.block_n == self.block_m and self.num_warps * 32 == self.block_m
+                                and self.num_stages >= 2):  # fmt: skip
+            raise ValueError(f"{self}: the Hopper forward needs block_n = block_m, num_warps = block_m / 32 "
+                             "(two consumers of 16 rows a warp) and num_stages >= 2")
 
 
 @dataclass(frozen=True)
@@ -96,15 +101,17 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
     return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
-# The Gluon backward on Hopper (PERF.md v12), for the problems _hopper.supports; the launcher's tuner
-# times it next to the Triton-language candidates.
+# The Gluon kernels on Hopper (PERF.md v14, v15), for the problems _hopper.supports; the launcher's tuner
+# times them next to the Triton-language candidates. The register cap covers the whole program: the
+# warp-specialized partitions then trade registers (setmaxnreg).
+HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
 HOPPER_BACKWARD = [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)]
 
 
 def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardConfig | None:
     """The next config down for a GPU with less shared memory: fewer stages, then smaller tiles (the
     Hopper kernel steps down to the Triton-language kernel: its ring needs two stages)."""
-    if isinstance(config, BackwardConfig) and config.hopper:
+    if config.hopper:
         return replace(config, hopper=False, max_registers=None)
     if config.num_stages > 1:
         return replace(config, num_stages=config.num_stages - 1)

@@ -1,9 +1,16 @@
-"""The backward on Hopper (sm_90) in Gluon, Triton's lower-level dialect: explicit shared memory, TMA,
-mbarriers, asynchronous wgmma and warp specialization, which the Triton-language kernel cannot express.
+"""Kernels for Hopper (sm_90) in Gluon, Triton's lower-level dialect: explicit shared memory, TMA,
+mbarriers, asynchronous wgmma and warp specialization, which the Triton-language kernels cannot express.
+Written against Triton 3.6's Gluon (``available()`` says whether this Triton has it); the launchers offer
+them to their tuner where they apply (``supports``) and keep the Triton-language kernels elsewhere.
 
-Same algorithm and contract as ``_kernels.attn_bwd`` with ATOMIC_DQ (PERF.md v12): one program owns
-BLOCK_N keys of one (z, h), keeps K and V in shared memory and steps through the query tiles of BLOCK_M
-rows that see them. Per step, with the transposed scores (keys are the rows):
+Forward (``_hopper_kernels.attn_fwd``, PERF.md v15): FA3's ping-pong. Two 4-warp consumer partitions own
+64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
+products; a loader partition streams 128-key tiles of K and V through a ring of mbarrier-guarded stages.
+
+Backward (``_hopper_kernels.attn_bwd``, PERF.md v14): the algorithm of ``_kernels.attn_bwd`` with
+ATOMIC_DQ. One program owns 128 keys of one (z, h) (two consumer warpgroups of 64), keeps K and V in
+shared memory, and a one-warp loader streams the query tiles of 64 rows that see them (Q, dO, L, D).
+Per step, with the transposed scores (keys are the rows):
 
     S^T  = K Q^T ;  dP^T = V dO^T                 (issued back to back: dP^T runs during the softmax)
     P^T  = exp2(S^T * qk_scale - L2[q])           (L2 = L * log2 e)
@@ -11,11 +18,6 @@ rows that see them. Per step, with the transposed scores (keys are the rows):
     dS^T = P^T * (dP^T - D[q])
     dQ_q += scale * dS K                          (dS^T through shared memory; a TMA reduce-add of fp32)
     dK  += dS^T Q                                 (left in flight into the next step)
-
-A one-warp loader partition streams Q, dO, L and D through a STAGES-deep ring (`ready` / `empty`
-mbarriers); the consumer warpgroups only compute, each owning 64 of the keys. Written against Triton
-3.6's Gluon (Hopper only: ``available()`` says whether this Triton has it); the launcher falls back to the
-Triton-language kernel wherever this one does not apply (``supports``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from typing import Any
 
 import torch
 
-HEAD_DIMS = (16, 32, 64)  # larger ones spill (d = 128: 352 bytes, slower than the Triton kernel)
-LOADER_REGISTERS = 24  # the loader only issues TMA copies; setmaxnreg gives the rest to the consumers
+# Head dims each kernel compiles for without spills (the backward at d = 128 spilled 352 bytes and lost
+# to the Triton kernel).
+HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64)}
+LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
+FORWARD_CONSUMER_REGISTERS = 240
 
 
 @functools.cache
@@ -43,11 +48,11 @@ def available() -> bool:
     return _gluon() is not None
 
 
-def supports(q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
-    """Whether the Gluon backward runs this problem: Hopper, 16-bit, d = 16, 32 or 64, Tq = Tk a multiple
-    of 128, contiguous q, k, v, out and dO (tensors)."""
+def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
+    """Whether the Gluon kernel of pass_name ("fwd" or "bwd") runs this problem: Hopper, 16-bit, a head
+    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, contiguous tensors (q, k, v[, out, dO])."""
     sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
-    if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS):
+    if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS[pass_name]):
         return False
     seqlen = q.shape[-2]
     if seqlen % 128 or any(t.shape != q.shape or not t.is_contiguous() for t in tensors):
@@ -55,25 +60,35 @@ def supports(q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int) 
     return torch.cuda.get_device_capability(q.device) == (9, 0) and available()
 
 
-def kernel() -> Any:
-    return _gluon().attn_bwd
-
-
-def args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, dk: torch.Tensor,
-         dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, block_m: int,
-         block_n: int, stages: int, is_causal: bool, scale: float) -> tuple:
-    """attn_bwd's arguments: descriptors over the (Z*H*T, d) views of contiguous (Z, H, T, d) tensors
-    (dq_acc: float32, zeroed) and over L and D as (Z*H*T,) vectors."""
+def kernel(pass_name: str) -> Any:
     kernels = _gluon()
-    head_dim = q.shape[-1]
+    return kernels.attn_fwd if pass_name == "fwd" else kernels.attn_bwd
 
-    def rows(t: torch.Tensor, n: int) -> Any:
-        return kernels.tiles(t.view(-1, head_dim), [n, head_dim])
 
-    def vector(t: torch.Tensor, n: int) -> Any:
-        return kernels.tiles(t.view(-1), [n])
+def _rows(t: torch.Tensor, n: int) -> Any:
+    """A descriptor over the (Z*H*T, d) view of a contiguous (Z, H, T, d) tensor, tiles of n rows."""
+    head_dim = t.shape[-1]
+    return _gluon().tiles(t.view(-1, head_dim), [n, head_dim])
 
-    return (rows(q, block_m), rows(k, block_n), rows(v, block_n), rows(grad_out, block_m), rows(dk, block_n),
-            rows(dv, block_n), rows(dq_acc, block_m), vector(lse, block_m), vector(delta, block_m),
-            q.shape[2], q.shape[0] * q.shape[1], scale * kernels.LOG2E, scale, is_causal, stages,
-            LOADER_REGISTERS)  # fmt: skip
+
+def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 block_m: int, block_n: int, stages: int, is_causal: bool, scale: float) -> tuple:
+    """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step."""
+    rows = block_m // 2
+    return (_rows(q, rows), _rows(k, block_n), _rows(v, block_n), _rows(out, rows), lse, q.shape[2],
+            q.shape[0] * q.shape[1], scale * _gluon().LOG2E, is_causal, stages,
+            FORWARD_CONSUMER_REGISTERS)  # fmt: skip
+
+
+def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                  dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
+                  delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
+                  scale: float) -> tuple:
+    """attn_bwd's arguments: descriptors over the (Z*H*T, d) views (dq_acc: float32, zeroed) and over L
+    and D as (Z*H*T,) vectors."""
+    kernels = _gluon()
+    return (_rows(q, block_m), _rows(k, block_n), _rows(v, block_n), _rows(grad_out, block_m),
+            _rows(dk, block_n), _rows(dv, block_n), _rows(dq_acc, block_m),
+            kernels.tiles(lse.view(-1), [block_m]), kernels.tiles(delta.view(-1), [block_m]), q.shape[2],
+            q.shape[0] * q.shape[1],
+            scale * kernels.LOG2E, scale, is_causal, stages, LOADER_REGISTERS)  # fmt: skip

@@ -1,5 +1,5 @@
-"""Gluon kernels of the Hopper backward (see _hopper, which imports this module only where Triton has
-Gluon for Hopper; the import fails elsewhere)."""
+"""Gluon kernels for Hopper, the forward and the backward (see _hopper, which imports this module only
+where Triton has Gluon for Hopper; the import fails elsewhere)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 _LOG2E = gl.constexpr(LOG2E)
+_LN2 = gl.constexpr(0.6931471805599453)
 _LOADER_WARPS = gl.constexpr(1)
 _ELEMENTS = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
@@ -244,3 +245,175 @@ def attn_bwd(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc,
                   v_smem, ready, empty, kv_bar, bh_row, key0, lo, n, STAGES, BLOCK_M)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
 
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+@gluon.jit
+def forward_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, q_row,
+                   kv_row, n, STAGES: gl.constexpr):  # fmt: skip
+    """The loader partition: both consumers' Q tiles once, then K_j and V_j of the key tile of step j
+    (the diagonal first, then descending) into stage j % STAGES, K and V on barriers of their own so that
+    S = QKᵀ can start before V lands. Stage reuse waits for both consumers' release on `empty`."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    for i in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * ROWS, 0], q_bar, q_smem.index(i))
+    for j in range(n):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        row = kv_row + (n - 1 - j) * BLOCK_N
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_ring.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_ring.index(s))
+
+
+@gluon.jit
+def forward_step(j, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i, qk_scale, q0,
+                 STAGES: gl.constexpr, FIRST: gl.constexpr, MASK: gl.constexpr, ME: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    """Key tile n - 1 - j for consumer ME: S = QKᵀ issued on its turn (the other consumer's softmax runs
+    meanwhile), the online softmax update, O = O * alpha + P V. Returns O, m, l."""
+    BM: gl.constexpr = q_s.shape[0]
+    BN: gl.constexpr = k_ring.shape[1]
+    s_idx = j % STAGES
+    key0 = (n - 1 - j) * BN
+    mbarrier.wait(k_ready.index(s_idx), (j // STAGES) & 1)
+    mbarrier.wait(turn.index(ME), j & 1)  # my turn: turn[ME]'s j-th completion
+    s_tok = warpgroup_mma(q_s, k_ring.index(s_idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                          use_acc=False, is_async=True)  # fmt: skip
+    mbarrier.arrive(turn.index(1 - ME))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+    if MASK:  # the diagonal tile: keys after the query are invisible (every row sees key q0 here)
+        rows = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+        cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        qk = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), s * qk_scale, float("-inf"))
+    else:
+        qk = s * qk_scale
+    if FIRST:
+        m_new = gl.max(qk, 1)
+    else:
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+    p = gl.exp2(qk - gl.expand_dims(m_new, 1))
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+    if FIRST:
+        l_new = gl.sum(p, 1)
+    else:
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, 1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    mbarrier.wait(v_ready.index(s_idx), (j // STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_ring.index(s_idx), o, use_acc=not FIRST, is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+    # Every warp of this consumer retired its reads of stage s_idx: one release (of two) for the loader.
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s_idx))
+    return o, m_new, l_new
+
+
+@gluon.jit
+def forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
+                     qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ME: gl.constexpr):  # fmt: skip
+    """Consumer ME: query rows [q0 + ME * BM, + BM) of this head. Step 0 (the diagonal tile, masked
+    under causal) peeled, then the rest; L and O / l out at the end (O through Q's shared memory)."""
+    q_s = q_smem.index(ME)
+    BM: gl.constexpr = q_s.shape[0]
+    BN: gl.constexpr = k_ring.shape[1]
+    BD: gl.constexpr = q_s.shape[1]
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(BM == 16 * NW, "each warp owns 16 query rows")
+    s_layout: gl.constexpr = mma_layout(NW, BN)
+    o_layout: gl.constexpr = mma_layout(NW, BD)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    first_row = q0 + ME * BM
+    o = gl.zeros([BM, BD], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, rows_layout)
+    l_i = gl.zeros([BM], gl.float32, rows_layout)
+    mbarrier.wait(q_bar, 0)
+    o, m_i, l_i = forward_step(0, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
+                               qk_scale, first_row, STAGES, True, CAUSAL, ME, s_layout, o_layout)  # fmt: skip
+    for j in range(1, n):
+        o, m_i, l_i = forward_step(j, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
+                                   qk_scale, first_row, STAGES, False, False, ME, s_layout,
+                                   o_layout)  # fmt: skip
+    lse = (m_i + gl.log2(l_i)) * _LN2
+    gl.store(L + bh_row + first_row + gl.arange(0, BM, layout=rows_layout), lse)
+    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
+    gl.thread_barrier()  # every warp's wgmmas (readers of q_s) have retired
+    q_s.store(o.to(q_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [bh_row + first_row, 0], q_s)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def forward_consumer0(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
+                      qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
+                     qk_scale, STAGES, CAUSAL, 0)  # fmt: skip
+
+
+@gluon.jit
+def forward_consumer1(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
+                      qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
+                     qk_scale, STAGES, CAUSAL, 1)  # fmt: skip
+
+
+@gluon.jit
+def attn_fwd(q_desc, k_desc, v_desc, o_desc, L, T, ZH, qk_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+             CONSUMER_REGS: gl.constexpr):  # fmt: skip
+    """O and L (natural log, float32 (Z*H*T,)) of 2 * BM query rows of one (z, h), BM = q_desc's rows,
+    with FA3's ping-pong: two 4-warp consumer partitions of BM rows each take turns issuing their S = QKᵀ
+    (mbarriers `turn`), so one's softmax overlaps the other's products; a loader partition (the default
+    one, left with few registers) streams K and V. Key tiles of BLOCK_N = 2 * BM, the diagonal one first.
+    Grid: (T / (2 * BM) * Z * H,), tile-major, the longest causal query tiles first."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_N == 2 * BM, "the diagonal key tile covers both consumers' rows")
+    pid = gl.program_id(0)
+    num_tiles = T // BLOCK_N
+    tile = pid // ZH
+    bh = pid % ZH
+    if CAUSAL:
+        tile = num_tiles - 1 - tile
+        n = tile + 1
+    else:
+        n = num_tiles
+    q0 = tile * BLOCK_N
+    bh_row = bh * T
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one release per consumer
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.arrive(turn.index(0))  # consumer 0 goes first
+    fence_async_shared()
+    gl.thread_barrier()
+    # The loader is the default partition: Triton leaves it the registers the consumers do not take (a
+    # consumer as the default partition would ask for 256 and oversubscribe the register file).
+    gl.warp_specialize([
+        (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty,
+                          bh_row + q0, bh_row, n, STAGES)),
+        (forward_consumer0, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
+                             q0, n, qk_scale, STAGES, CAUSAL)),
+        (forward_consumer1, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
+                             q0, n, qk_scale, STAGES, CAUSAL)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip

@@ -24,6 +24,7 @@ from flashattn_triton import _hopper
 from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import (
     HOPPER_BACKWARD,
+    HOPPER_FORWARD,
     BackwardConfig,
     ForwardConfig,
     backward_candidates,
@@ -219,7 +220,7 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
     fields = [x for name, x in dataclasses.asdict(config).items() if name != "hopper" and x is not None]
-    return "/".join(str(int(x)) for x in fields) + (" hopper" if getattr(config, "hopper", False) else "")
+    return "/".join(str(int(x)) for x in fields) + (" hopper" if config.hopper else "")
 
 
 class _Launcher:
@@ -289,14 +290,15 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         small = work < SMALL_PROBLEM_WORK
         if pass_name == "bwd" and small:  # host-bound: no atomic dQ (see there)
             candidates = [c for c in candidates if not c.atomic_dq] or candidates
-        hopper = pass_name == "bwd" and not small and _hopper.supports(q, tensors, head_dim)
+        hopper = not small and _hopper.supports(pass_name, q, tensors, head_dim)
         if hopper:
-            candidates = HOPPER_BACKWARD + candidates
-        elif config is not None and getattr(config, "hopper", False):
+            candidates = (HOPPER_FORWARD if pass_name == "fwd" else HOPPER_BACKWARD) + candidates
+        elif config is not None and config.hopper:
+            dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
             raise ValueError(
-                f"config {config}: the Hopper kernel runs 16-bit problems with head dim 16, 32 or 64, "
-                "Tq = Tk a multiple of 128, contiguous inputs, on sm_90 with Gluon, above the small-problem "
-                f"size; not q {tuple(q.shape)} {q.dtype} on {q.device}"
+                f"config {config}: the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a "
+                "multiple of 128, contiguous inputs, on sm_90 with Gluon, above the small-problem size; "
+                f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
             )
         tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision,
                     _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads), hopper)  # fmt: skip
@@ -383,9 +385,13 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     v_transposed = plan.precision == "tf32x3"
 
     def launcher(c: ForwardConfig) -> _Launcher:
-        return _Launcher(kernels.attn_fwd, (-(-seqlen_q // c.block_m) * batch * heads,), c)
+        kernel = _hopper.kernel("fwd") if c.hopper else kernels.attn_fwd
+        return _Launcher(kernel, (-(-seqlen_q // c.block_m) * batch * heads,), c)
 
     def args(c: ForwardConfig) -> tuple:
+        if c.hopper:  # (_hopper.supports: contiguous inputs, T a multiple of 128)
+            return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
+                                        is_causal, scale)  # fmt: skip
         return (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
                 _tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
                 _tiles(o4, c.block_m, block_d, host), lse,
@@ -433,15 +439,15 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
     def launcher(c: BackwardConfig) -> _Launcher:
         tiles = -(-seqlen_k // c.block_n) if c.atomic_dq else -(-max(seqlen_k, seqlen_q) // c.block_n)
-        return _Launcher(_hopper.kernel() if c.hopper else kernels.attn_bwd, (tiles * batch * heads,), c)
+        return _Launcher(_hopper.kernel("bwd") if c.hopper else kernels.attn_bwd, (tiles * batch * heads,), c)
 
     def args(c: BackwardConfig) -> tuple:
         nonlocal dq_acc
         if c.atomic_dq:
             dq_acc = torch.zeros(batch, heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
-            return _hopper.args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m, c.block_n,
-                                c.num_stages, is_causal, scale)  # fmt: skip
+            return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
+                                         c.block_n, c.num_stages, is_causal, scale)  # fmt: skip
         step = [_tiles(t, c.block_m, block_d, host) for t in (q_in, do_in, k_in, v_in)]
         own = [_tiles(t, c.block_n, block_d, host) for t in (q_in, do_in, k_in, v_in, dq4, dk4, dv4)]
         # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
