@@ -101,9 +101,9 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
     return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
-# The Gluon kernels on Hopper (PERF.md v14, v15), for the problems _hopper.supports; the launcher's tuner
-# times them next to the Triton-language candidates. The register cap covers the whole program: the
-# warp-specialized partitions then trade registers (setmaxnreg).
+# The Gluon kernels on Hopper (PERF.md v14, v15; written and checked with Triton 3.6), for the problems
+# _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
+# cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
 HOPPER_BACKWARD = [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)]
 

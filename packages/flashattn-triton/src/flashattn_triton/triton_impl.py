@@ -291,8 +291,9 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         if pass_name == "bwd" and small:  # host-bound: no atomic dQ (see there)
             candidates = [c for c in candidates if not c.atomic_dq] or candidates
         hopper = not small and _hopper.supports(pass_name, q, tensors, head_dim)
-        if hopper:
-            candidates = (HOPPER_FORWARD if pass_name == "fwd" else HOPPER_BACKWARD) + candidates
+        if hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the portable kernel,
+            # and the tuner skips a Gluon build that another Triton version refuses
+            candidates = candidates + (HOPPER_FORWARD if pass_name == "fwd" else HOPPER_BACKWARD)
         elif config is not None and config.hopper:
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
             raise ValueError(
