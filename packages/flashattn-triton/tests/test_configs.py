@@ -40,6 +40,11 @@ def test_described_configs_name_the_hopper_kernel():
     assert triton_impl._describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
 
 
+def test_gluon_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_GLUON", "0")
+    assert not _hopper.available()
+
+
 def test_hopper_kernel_refused_where_it_does_not_apply():
     pytest.importorskip("triton")
     q, k, v, out, grad_out = (torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(5))

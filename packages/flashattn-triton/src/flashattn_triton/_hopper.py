@@ -23,6 +23,7 @@ Per step, with the transposed scores (keys are the rows):
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -45,6 +46,10 @@ def _gluon() -> Any:
 
 
 def available() -> bool:
+    """Whether the Gluon kernels can be offered: this Triton has Gluon for Hopper and
+    FLASHATTN_TRITON_GLUON is not 0 (the switch to keep the Triton-language kernels everywhere)."""
+    if os.environ.get("FLASHATTN_TRITON_GLUON", "1").strip().lower() in ("0", "false", "off", "no"):
+        return False
     return _gluon() is not None
 
 
