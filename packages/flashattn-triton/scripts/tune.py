@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from flashattn_triton import _hopper, triton_impl
 from flashattn_triton._configs import (
     HOPPER_BACKWARD,
+    HOPPER_FORWARD,
     BackwardConfig,
     ForwardConfig,
     backward_candidates,
@@ -48,13 +49,13 @@ def parse_extra(text: str) -> dict[str, list]:
 
 
 def candidates(which: str, head_dim: int, dtype: torch.dtype, extra: dict[str, list]) -> list:
-    """_configs.py's candidates (with the Hopper backward where its head dim and dtype allow), then the
-    --extra ones not among them."""
+    """_configs.py's candidates (with the Gluon kernel for Hopper where its head dims and dtypes allow),
+    then the --extra ones not among them."""
     size = torch.empty((), dtype=dtype).element_size()
     table = forward_candidates if which == "fwd" else backward_candidates
     listed = table(_block_d(head_dim), size, False)
-    if which == "bwd" and size == 2 and head_dim in _hopper.HEAD_DIMS and _hopper.available():
-        listed = HOPPER_BACKWARD + listed
+    if size == 2 and head_dim in _hopper.HEAD_DIMS[which] and _hopper.available():
+        listed = listed + (HOPPER_FORWARD if which == "fwd" else HOPPER_BACKWARD)
     return listed + [c for c in extra[which] if c not in listed]
 
 
