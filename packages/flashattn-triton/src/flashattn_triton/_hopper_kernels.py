@@ -18,7 +18,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = 1.4426950408889634
+from flashattn_triton._kernels import LOG2E
+
 _LOG2E = gl.constexpr(LOG2E)
 _LN2 = gl.constexpr(0.6931471805599453)
 _LOADER_WARPS = gl.constexpr(1)

@@ -38,18 +38,26 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """arg itself if the host passed a descriptor, else one over the contiguous (Z, H, T, d) at arg."""
+def _strided_descriptor(arg, batch, heads, rows, cols, row_stride, BLOCK_R: tl.constexpr,
+                        BLOCK_C: tl.constexpr):  # fmt: skip
+    """arg itself if the host passed a descriptor, else one over the (Z, H, rows, cols) at arg, its rows
+    row_stride elements apart and packed otherwise, moving (BLOCK_R, BLOCK_C) tiles."""
     if isinstance(arg, tl.tensor_descriptor):
         return arg
     else:
-        row = head_dim.to(tl.int64)
+        row = row_stride.to(tl.int64)
         return tl.make_tensor_descriptor(
             arg,
-            shape=[batch, heads, seqlen, head_dim],
-            strides=[heads * seqlen * row, seqlen * row, row, 1],
-            block_shape=[1, 1, BLOCK_T, BLOCK_D],
+            shape=[batch, heads, rows, cols],
+            strides=[heads * rows * row, rows * row, row, 1],
+            block_shape=[1, 1, BLOCK_R, BLOCK_C],
         )
+
+
+@triton.jit
+def _descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """arg itself if the host passed a descriptor, else one over the contiguous (Z, H, T, d) at arg."""
+    return _strided_descriptor(arg, batch, heads, seqlen, head_dim, head_dim, BLOCK_T, BLOCK_D)
 
 
 @triton.jit
@@ -67,16 +75,9 @@ def _value_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr
     head_dim, T) with rows padded to 16 bytes, in (BLOCK_D, BLOCK_T) tiles (see _load_value_parts)."""
     if INPUT_PRECISION != "tf32x3":
         return _input_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D, INPUT_PRECISION)
-    elif isinstance(arg, tl.tensor_descriptor):
-        return arg
     else:
-        row = (tl.cdiv(seqlen, 4) * 4).to(tl.int64)
-        return tl.make_tensor_descriptor(
-            arg,
-            shape=[2 * batch, heads, head_dim, seqlen],
-            strides=[heads * head_dim * row, head_dim * row, row, 1],
-            block_shape=[1, 1, BLOCK_D, BLOCK_T],
-        )
+        padded = tl.cdiv(seqlen, 4) * 4
+        return _strided_descriptor(arg, 2 * batch, heads, head_dim, seqlen, padded, BLOCK_D, BLOCK_T)
 
 
 @triton.jit
