@@ -145,3 +145,40 @@ def test_each_layout_gets_its_own_launch_plan(problem):
         p.assert_close({"out": out, "lse": lse})
     triton_forward(p.q[:, :, :20], p.k, p.v, True, 0.25)
     assert len(triton_impl._plans) == 4
+
+
+def test_a_layouts_later_calls_are_still_checked_where_they_differ(problem):
+    """Inputs are checked when their layout's plan is made; the plan's key holds all that the checks
+    read, so a later call that differs in any of it (a dtype, an int for is_causal, a bad scale) is
+    checked again and refused, while a repeat of a good call runs."""
+    p = problem((2,), 20, 20, 16, torch.float32, True)
+    q, k, v = p.inputs()
+    FlashAttentionTriton.apply(q, k, v, True)
+    FlashAttentionTriton.apply(q, k, v, True)
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        FlashAttentionTriton.apply(q, k, v, 1)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        FlashAttentionTriton.apply(q, k, v, True, -1.0)
+    with pytest.raises(TypeError, match="scale must be a Python float"):
+        FlashAttentionTriton.apply(q, k, v, True, torch.tensor(0.5))
+    with pytest.raises(TypeError, match="v.dtype is torch.float16"):
+        FlashAttentionTriton.apply(q, k, v.half(), True)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        FlashAttentionTriton.apply(q, k.tolist(), v, True)
+
+
+def test_gradients_taken_with_create_graph_refuse_a_second_differentiation(problem):
+    """Under create_graph=True, with an incoming gradient that is itself differentiable (as in a gradient
+    penalty), the backward's gradients are marked once-differentiable (its kernels have no derivative):
+    differentiating them again raises instead of treating them as constants. The first gradients are
+    the same either way."""
+    p = problem((2,), 24, 24, 16, torch.float32, True)
+    q, k, v = p.inputs()
+    grad_out = p.grad_out.clone().requires_grad_()
+    plain = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True), (q, k, v), grad_out)
+    graphed = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, True), (q, k, v), grad_out,
+                                  create_graph=True)  # fmt: skip
+    for got, want in zip(graphed, plain, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        graphed[0].sum().backward()

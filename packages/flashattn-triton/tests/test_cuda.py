@@ -298,6 +298,62 @@ def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
     assert runs_per_call == [2, 0, 2, 0, 2]
 
 
+def test_later_launches_bypass_tritons_runner_and_launch_hooks_still_see_them(problem, monkeypatch):
+    """After a layout's first call its kernels go straight to Triton's C launcher (no launch metadata
+    built, PERF.md v16), unless a launch hook is set (a profiler's): then every launch goes through
+    Triton's runner and the hook sees it. Exact either way."""
+    import triton
+    from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
+
+    if not triton_impl._launcher_abi_known():
+        pytest.skip(f"direct launches are checked against Triton 3.6's launcher, not {triton.__version__}")
+    metadata_built = []
+    original = CompiledKernel.launch_metadata
+    monkeypatch.setattr(CompiledKernel, "launch_metadata",
+                        lambda self, *a: metadata_built.append(self.name) or original(self, *a))  # fmt: skip
+    p = problem((1, 2), 1000, 1000, 64, torch.bfloat16, True, device="cuda")
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    built_per_call = []
+    for hooked in (False, False, True, False):
+        if hooked:
+            knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            q, k, v = p.inputs()
+            out = FlashAttentionTriton.apply(q, k, v, True)
+            out.backward(p.grad_out)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        p.check(out, q, k, v)
+        built_per_call.append(len(metadata_built))
+        metadata_built.clear()
+    assert seen == ["attn_fwd", "attn_bwd"]
+    assert built_per_call == [2, 0, 2, 0]  # the JIT's first launches, direct, the runner's, direct
+
+
+def test_launches_follow_the_current_stream(problem):
+    """A forward and backward on a side stream run there (the direct launches read the current stream
+    each call): same results as on the default stream, with the side stream's work awaited only."""
+    p = problem((2, 2), 700, 700, 64, torch.bfloat16, True, device="cuda")
+    torch.cuda.synchronize()  # the problem's tensors are ready for any stream
+    results = []
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, side):
+        with torch.cuda.stream(stream):
+            q, k, v = p.inputs()
+            out = FlashAttentionTriton.apply(q, k, v, True)
+            out.backward(p.grad_out)
+        stream.synchronize()
+        results.append((out, q.grad, k.grad, v.grad))
+    for later in results[1:]:
+        for got, want in zip(later, results[0], strict=True):
+            assert torch.equal(got, want)
+
+
 def test_scratch_memory_is_kept_per_stream(monkeypatch):
     """Kernel-built descriptors' scratch: one buffer a stream, reused while it is big enough."""
     monkeypatch.setattr(triton_impl, "_scratch_buffers", {})

@@ -54,14 +54,18 @@ def _interpreted() -> bool:
     return type(_kernels().attn_fwd).__name__ == "InterpretedFunction"
 
 
-def check_triton_inputs(q: torch.Tensor) -> None:
-    """Errors for what only the Triton path cannot do (after check_inputs has passed)."""
+def check_head_dim(q: torch.Tensor) -> None:
+    """The Triton path's limit on the head dim (after check_inputs has passed)."""
     head_dim = q.shape[-1]
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(
             f"head dim {head_dim} (q.shape[-1]) is not supported by the Triton kernels "
             f"(1..{MAX_HEAD_DIM}); use FlashAttentionTorch for larger head dims"
         )
+
+
+def check_device(q: torch.Tensor) -> None:
+    """Errors for a device the Triton kernels cannot run on (CPU only in the interpreter)."""
     if q.device.type == "cuda":
         return
     if q.device.type != "cpu" or not interpret_requested():
@@ -118,6 +122,13 @@ def _tf32_parts(x4: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     return parts.flatten(0, 1)
 
 
+def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors as _kernel_view makes them: as they are where the plan's layout says they already are."""
+    if plan.as_is:
+        return tensors
+    return tuple(_kernel_view(t, plan.head_dim, plan.host) for t in tensors)
+
+
 def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
     pass: saving the forward's for the backward would hold twice the inputs in between)."""
@@ -145,11 +156,16 @@ def _host_descriptors(device: torch.device, work: int) -> bool:
     return work >= SMALL_PROBLEM_WORK and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def _is_kernel_view(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether x is already what _kernel_view makes of it (the common case)."""
+    return x.dim() == 4 and x.shape[-1] == head_dim and x.is_contiguous() and x.data_ptr() % 16 == 0
+
+
 def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
     """x as (Z, H, T, head_dim) that the kernels can address: padded with zeros along d if head_dim
     is larger, and copied only if its layout is one a descriptor cannot describe."""
-    if x.dim() == 4 and x.shape[-1] == head_dim and x.is_contiguous() and x.data_ptr() % 16 == 0:
-        return x  # the common case, checked first: it is on every call's path
+    if _is_kernel_view(x, head_dim):
+        return x
     x4 = _as_4d(x)
     if x4.shape[-1] < head_dim:
         x4 = F.pad(x4, (0, head_dim - x4.shape[-1]))
@@ -225,10 +241,11 @@ def _describe(config: ForwardConfig | BackwardConfig) -> str:
 
 class _Launcher:
     """One kernel with one config and grid. The first call goes through Triton's JIT, which compiles
-    (or finds) the specialization for its arguments; later calls launch that compiled kernel directly,
-    skipping the JIT's per-call work of binding and specializing every argument (most of a small
-    problem's host time). Sound only for arguments the JIT would specialize the same way: a _Launcher
-    belongs to one _Plan, whose key holds every tensor's shape, strides, dtype and 16-byte alignment."""
+    (or finds) the specialization for its arguments; later calls launch that compiled kernel directly
+    (_direct_launch), skipping the JIT's per-call work of binding and specializing every argument (most
+    of a small problem's host time). Sound only for arguments the JIT would specialize the same way: a
+    _Launcher belongs to one _Plan, whose key holds every tensor's shape, strides, dtype and 16-byte
+    alignment."""
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], config: ForwardConfig | BackwardConfig | None):
         self.kernel = kernel
@@ -242,19 +259,69 @@ class _Launcher:
         if self.compiled is not None:
             self.compiled(*args)
             return
+        _set_allocator()
         compiled = self.kernel[self.grid](*args, **self.options)
         if hasattr(compiled, "function"):  # under the interpreter there is no compiled kernel to keep
-            self.compiled = compiled[self.grid]
+            self.compiled = _direct_launch(compiled, self.grid)
+
+
+@functools.cache
+def _launcher_abi_known() -> bool:
+    """Whether this Triton's C launcher takes the arguments _direct_launch passes (checked with 3.6)."""
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6)
+
+
+def _launch_hooked() -> bool:
+    """Whether anyone (a profiler such as Proton) hooked Triton's kernel launches."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(hook, "calls", hook is not None) for hook in hooks)
+
+
+def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., None]:
+    """A launch of compiled `kernel` on `grid`: straight into Triton's C launch function, with tensors
+    passed as addresses, where this Triton's launcher is the one _launcher_abi_known checked and no
+    launch hook is set; else through the JIT's own runner. Triton's runner builds launch metadata and
+    calls its hook chains on every launch, asks the allocator for scratch memory through Python, and its C
+    launcher calls data_ptr() and cuPointerGetAttribute on every tensor: about half of a small problem's
+    host time a pass (PERF.md v16)."""
+    runner = kernel[grid]
+    run = kernel.run
+    if not _launcher_abi_known() or type(run).__name__ != "CudaLauncher" or run.profile_scratch_size:
+        return lambda *args: (_set_allocator(), runner(*args))
+    launch, function, metadata = run.launch, kernel.function, kernel.packed_metadata
+    flags = (run.launch_cooperative_grid, run.launch_pdl)
+    scratch_bytes = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
+    alignment, device = run.global_scratch_align, torch.cuda.current_device()
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def direct(*args: Any) -> None:
+        if _launch_hooked():
+            _set_allocator()
+            runner(*args)
+            return
+        stream = raw_stream(device)
+        scratch = _scratch(scratch_bytes, alignment, stream).data_ptr() if scratch_bytes else None
+        launch(*grid, stream, function, *flags, scratch, None, metadata, None, None, None,
+               *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])  # fmt: skip
+
+    return direct
 
 
 @dataclasses.dataclass
 class _Plan:
     """How one problem layout runs, worked out on its first call and reused by every later call with
     the same key: the descriptor mode, the candidate configs and the tuning key of its size class,
-    the config chosen and its launchers."""
+    the config chosen and its launchers. A forward's plan is made only for inputs that pass
+    check_inputs; its key holds everything those checks read, so the checks are not repeated."""
 
+    scale: float  # the softmax scale, checked (and defaulted) when the forward's plan was made
     host: bool
     small: bool  # below SMALL_PROBLEM_WORK
+    as_is: bool  # every tensor is already what _kernel_view makes of it
     head_dim: int
     block_d: int
     precision: str
@@ -271,14 +338,21 @@ _chosen: dict[Any, ForwardConfig | BackwardConfig] = {}
 
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
-          config: Any) -> _Plan:
-    """The plan of this call's layout: created, not yet run, on the first call with it. tensors starts
-    with q and k."""
-    precision = _input_precision(q.dtype)
-    key = (pass_name, q.dtype, q.device, is_causal, precision, config,
-           *((t.shape, t.stride(), t.data_ptr() % 16 == 0) for t in tensors))  # fmt: skip
-    plan = _plans.get(key)
+          scale: float | None, config: Any) -> _Plan:
+    """The plan of this call's layout: created, not yet run, on the first call with it (the forward's
+    after checking its inputs). tensors starts with q and k (and v)."""
+    try:
+        precision = _input_precision(q.dtype)
+        layouts = ((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+        key = (pass_name, is_causal, type(is_causal), scale, config, precision, *layouts)
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, an unhashable scale: check_inputs says which
+        check_inputs(q, *tensors[1:3], is_causal, scale)
+        raise
     if plan is None:
+        if pass_name == "fwd":
+            scale = check_inputs(q, *tensors[1:3], is_causal, scale)
+            check_head_dim(q)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         head_dim = _padded_head_dim(q.shape[-1], q.element_size())
@@ -304,7 +378,9 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision,
                     _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads), hopper)  # fmt: skip
         host = _host_descriptors(q.device, work)
-        plan = _plans[key] = _Plan(host, small, head_dim, block_d, precision, candidates, tune_key, config)
+        as_is = all(_is_kernel_view(t, head_dim) for t in tensors)
+        plan = _plans[key] = _Plan(scale, host, small, as_is, head_dim, block_d, precision, candidates,
+                                   tune_key, config)  # fmt: skip
     return plan
 
 
@@ -367,17 +443,26 @@ def _out_of_resources() -> type[Exception]:
     return OutOfResources
 
 
-def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                    config: ForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O is contiguous, L float32
     of shape q.shape[:-1]."""
+    out, lse, _ = _forward(q, k, v, is_causal, scale, config)
+    return out, lse
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+             config: ForwardConfig | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """triton_forward's (O, L) and the softmax scale it used."""
     kernels = _kernels()
+    plan = _plan("fwd", q, (q, k, v), is_causal, scale, config)  # (checks a layout's first inputs)
+    check_device(q)
+    scale = plan.scale
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
-        return torch.empty_like(q, memory_format=torch.contiguous_format), lse
-    plan = _plan("fwd", q, (q, k, v), is_causal, config)
+        return torch.empty_like(q, memory_format=torch.contiguous_format), lse, scale
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
-    q4, k4, v4 = (_kernel_view(t, head_dim, host) for t in (q, k, v))
+    q4, k4, v4 = _kernel_views(plan, (q, k, v))
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
@@ -399,11 +484,11 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                 batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
                 c.block_m, c.block_n, block_d, is_causal, plan.precision)  # fmt: skip
 
-    if not host:
-        _set_allocator()
     with _device_guard(q):
         _run(plan, launcher, args)
-    return (o4 if o4.shape == q.shape else o4[..., : q.shape[-1]].reshape(q.shape)), lse
+    if plan.as_is or o4.shape == q.shape:
+        return o4, lse, scale
+    return o4[..., : q.shape[-1]].reshape(q.shape), lse, scale
 
 
 def _gradient_buffers(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -422,9 +507,9 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, config)
+    plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, scale, config)
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
-    q4, k4, v4, o4, do4 = (_kernel_view(t, head_dim, host) for t in (q, k, v, out, grad_out))
+    q4, k4, v4, o4, do4 = _kernel_views(plan, (q, k, v, out, grad_out))
     dq4, dk4, dv4 = _gradient_buffers(q4, k4, v4)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
@@ -458,8 +543,6 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                 dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
                 c.atomic_dq, delta_from_o, plan.precision)  # fmt: skip
 
-    if not host:
-        _set_allocator()
     preprocess_rows = 64
     with _device_guard(q):
         if delta is not None:
@@ -471,9 +554,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         used = _run(plan, launcher, args)
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
-    grads = (dq4, dk4, dv4)
+    if plan.as_is:
+        return dq4, dk4, dv4
     return tuple(g if g.shape == t.shape else g[..., : t.shape[-1]].reshape(t.shape)
-                 for g, t in zip(grads, (q, k, v), strict=True))  # fmt: skip
+                 for g, t in zip((dq4, dk4, dv4), (q, k, v), strict=True))  # fmt: skip
 
 
 class FlashAttentionTriton(AttentionFunction):
@@ -492,19 +576,24 @@ class FlashAttentionTriton(AttentionFunction):
         is_causal: bool = False,
         scale: float | None = None,
     ) -> torch.Tensor:
-        scale = check_inputs(q, k, v, is_causal, scale)
-        check_triton_inputs(q)
-        out, lse = triton_forward(q, k, v, is_causal, scale)
+        out, lse, scale = _forward(q, k, v, is_causal, scale, None)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
         ctx.scale = scale
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v = triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale)
-        return grad_q, grad_k, grad_v, None, None
+        # once_differentiable only under create_graph=True, where its gradients must refuse a second
+        # differentiation; elsewhere its wrapper is host time a small problem notices (PERF.md v16).
+        return (_gradients_once if torch.is_grad_enabled() else _gradients)(ctx, grad_out)
+
+
+def _gradients(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale), None, None)
+
+
+_gradients_once = once_differentiable(_gradients)
