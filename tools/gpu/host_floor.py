@@ -91,10 +91,10 @@ def small_problems() -> None:
                 for run in passes:
                     row += [cell_us(run), host_us(run, calls=200, warmup=20)]
                 print(f"{name:10s} " + " ".join(f"{x:9.1f}" for x in row) + f"  round {round_index}")
-    only(None)
-    torch.backends.cuda.enable_cudnn_sdp(True)
-    torch.backends.cuda.enable_mem_efficient_sdp(True)
-    torch.backends.cuda.enable_math_sdp(True)
+    backends = torch.backends.cuda
+    for enable in (backends.enable_flash_sdp, backends.enable_cudnn_sdp, backends.enable_mem_efficient_sdp,
+                   backends.enable_math_sdp):  # fmt: skip
+        enable(True)
 
 
 def large_problem_kernels() -> None:
