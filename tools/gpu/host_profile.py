@@ -120,7 +120,9 @@ class PlainTriton(FlashAttentionTriton):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale), None, None)
+        plan = ctx.plan
+        grads = triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, plan.scale, forward_plan=plan)
+        return *grads, None, None
 
 
 print("== triton bwd stages:", stage_times(FlashAttentionTriton, saved["triton"], (q, k, v)))

@@ -330,6 +330,9 @@ class _Plan:
     config: Any = None
     launch: _Launcher | None = None
     preprocess: _Launcher | None = None
+    # A forward's plans of the backward, by what its key adds to the forward's: the incoming gradient's
+    # strides and alignment (autograd gives it the output's shape, dtype and device) and the precision.
+    backward_plans: dict = dataclasses.field(default_factory=dict)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -452,15 +455,15 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-             config: ForwardConfig | None) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """triton_forward's (O, L) and the softmax scale it used."""
+             config: ForwardConfig | None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:
+    """triton_forward's (O, L) and the plan that made them (its scale is the one used)."""
     kernels = _kernels()
     plan = _plan("fwd", q, (q, k, v), is_causal, scale, config)  # (checks a layout's first inputs)
     check_device(q)
     scale = plan.scale
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
-        return torch.empty_like(q, memory_format=torch.contiguous_format), lse, scale
+        return torch.empty_like(q, memory_format=torch.contiguous_format), lse, plan
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4 = _kernel_views(plan, (q, k, v))
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
@@ -487,8 +490,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     with _device_guard(q):
         _run(plan, launcher, args)
     if plan.as_is or o4.shape == q.shape:
-        return o4, lse, scale
-    return o4[..., : q.shape[-1]].reshape(q.shape), lse, scale
+        return o4, lse, plan
+    return o4[..., : q.shape[-1]].reshape(q.shape), lse, plan
 
 
 def _gradient_buffers(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -499,15 +502,31 @@ def _gradient_buffers(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> t
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
 
 
+def _backward_plan(forward_plan: _Plan | None, tensors: tuple[torch.Tensor, ...], is_causal: bool,
+                   scale: float, config: BackwardConfig | None) -> _Plan:
+    """_plan of the backward, looked up through the forward's plan where there is one: the forward's
+    key already holds q, k and v, and out and lse follow from it."""
+    q, grad_out = tensors[0], tensors[-1]
+    if forward_plan is None or config is not None:
+        return _plan("bwd", q, tensors, is_causal, scale, config)
+    key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _input_precision(q.dtype))
+    plan = forward_plan.backward_plans.get(key)
+    if plan is None:
+        plan = forward_plan.backward_plans[key] = _plan("bwd", q, tensors, is_causal, scale, None)
+    return plan
+
+
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     grad_out: torch.Tensor, is_causal: bool, scale: float,
-                    config: BackwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    config: BackwardConfig | None = None, *,
+                    forward_plan: _Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
-    problem is small), then dK/dV and dQ in one launch."""
+    problem is small), then dK/dV and dQ in one launch. forward_plan: the plan of the forward that
+    made out and lse from these q, k, v, which keeps this backward's plan for the layout of grad_out."""
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    plan = _plan("bwd", q, (q, k, v, out, grad_out), is_causal, scale, config)
+    plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config)
     host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
     q4, k4, v4, o4, do4 = _kernel_views(plan, (q, k, v, out, grad_out))
     dq4, dk4, dv4 = _gradient_buffers(q4, k4, v4)
@@ -576,10 +595,10 @@ class FlashAttentionTriton(AttentionFunction):
         is_causal: bool = False,
         scale: float | None = None,
     ) -> torch.Tensor:
-        out, lse, scale = _forward(q, k, v, is_causal, scale, None)
+        out, lse, plan = _forward(q, k, v, is_causal, scale, None)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
-        ctx.scale = scale
+        ctx.plan = plan
         return out
 
     @staticmethod
@@ -593,7 +612,9 @@ class FlashAttentionTriton(AttentionFunction):
 
 def _gradients(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
     q, k, v, out, lse = ctx.saved_tensors
-    return (*triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale), None, None)
+    plan = ctx.plan
+    grads = triton_backward(q, k, v, out, lse, grad_out, ctx.is_causal, plan.scale, forward_plan=plan)
+    return *grads, None, None
 
 
 _gradients_once = once_differentiable(_gradients)
