@@ -354,6 +354,18 @@ def test_launches_follow_the_current_stream(problem):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
+def test_tf32_parts_on_the_gpu(transposed):
+    """The float32 split (one kernel) on a ragged, strided problem: exact parts, TF32 high parts."""
+    x4 = torch.randn(2, 333, 3, 40, device="cuda").mul(torch.logspace(-20, 20, 40, device="cuda"))
+    x4 = x4.transpose(1, 2)
+    parts = triton_impl._tf32_parts(x4, transposed)
+    parts = parts.transpose(-1, -2) if transposed else parts
+    high, low = parts[:2], parts[2:]
+    assert not (high.contiguous().view(torch.int32) & 8191).any()
+    assert torch.equal(high + low, x4)
+
+
 def test_scratch_memory_is_kept_per_stream(monkeypatch):
     """Kernel-built descriptors' scratch: one buffer a stream, reused while it is big enough."""
     monkeypatch.setattr(triton_impl, "_scratch_buffers", {})

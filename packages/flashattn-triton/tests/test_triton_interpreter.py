@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashattn_triton import FlashAttentionTriton
-from flashattn_triton.triton_impl import _interpreted, _tf32_parts
+from flashattn_triton.triton_impl import _interpreted
 
 
 def test_triton_kernels_under_the_interpreter():
@@ -60,14 +60,3 @@ def test_interpreter_requested_after_the_kernels_were_compiled_is_refused(monkey
     q = torch.randn(1, 8, 16)
     with pytest.raises(RuntimeError, match="set it before the first call"):
         FlashAttentionTriton.apply(q, q, q)
-
-
-def test_tf32_parts_are_exact_and_their_high_parts_are_tf32():
-    x = torch.randn(2, 3, 17, 24, dtype=torch.float32) * torch.logspace(-20, 20, 24)
-    x4 = x.transpose(1, 2)  # any strides
-    parts = _tf32_parts(x4)
-    high, low = parts[: x4.shape[0]], parts[x4.shape[0] :]
-    assert parts.shape == (4, 17, 3, 24)
-    assert not (high.view(torch.int32) & 8191).any()  # 10 mantissa bits: exactly representable in TF32
-    assert torch.equal(high + low, x4)  # nothing lost
-    assert (low.abs() <= x4.abs() * 2.0**-10).all()

@@ -467,3 +467,27 @@ def attn_bwd(
             )  # fmt: skip
             _store_tile(_descriptor(DQ, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                         (dq * scale).to(q.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def tf32_parts(
+    X, Parts, heads, seqlen, head_dim, stride_xz, stride_xh, stride_xt, stride_pp, stride_pz, stride_ph,
+    stride_pt, stride_pd, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The TF32 parts of a float32 X (Z, H, T, d), unit stride along d, for the tf32x3 kernels: Parts[0] =
+    X with its 13 low mantissa bits cleared (exactly TF32), Parts[1] = X - Parts[0], Parts (2, Z, H, T, d)
+    at any strides (a transposed copy has unit stride along T). One read and two writes, for BLOCK_T rows
+    of one (z, h) a program. Grid: (row tiles * Z * H,)."""
+    num_tiles = tl.cdiv(seqlen, BLOCK_T)
+    pid = tl.program_id(0)
+    bh = pid // num_tiles
+    z = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    rows = ((pid % num_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < seqlen) & (cols < head_dim)
+    x = tl.load(X + z * stride_xz + h * stride_xh + rows * stride_xt + cols, mask=mask)
+    high = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    parts = Parts + z * stride_pz + h * stride_ph + rows * stride_pt + cols * stride_pd
+    tl.store(parts, high, mask=mask)
+    tl.store(parts + stride_pp, x - high, mask=mask)

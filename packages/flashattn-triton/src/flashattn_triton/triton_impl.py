@@ -108,18 +108,35 @@ def _input_precision(dtype: torch.dtype) -> str:
 def _tf32_parts(x4: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     """A float32 (Z, H, T, d) tensor as the (2Z, H, T, d) pair the tf32x3 kernels read: x with its 13 low
     mantissa bits cleared (exactly TF32), then the remainders x - high. Transposed: as (2Z, H, d, T),
-    its rows padded to 16 bytes (the view holds the first T columns)."""
+    its rows padded to 16 bytes (the view holds the first T columns). One launch of
+    _kernels.tf32_parts (a layout's later ones direct)."""
     x4 = x4.detach()  # the launchers are also called outside autograd, on inputs that require grad
+    batch, heads, seqlen, head_dim = x4.shape
     if transposed:
-        x4 = x4.transpose(-1, -2)
-        seqlen = x4.shape[-1]
         padded = -(-seqlen // 4) * 4
-        parts = torch.empty((2, *x4.shape[:-1], padded), dtype=x4.dtype, device=x4.device)[..., :seqlen]
+        stored = torch.empty((2, batch, heads, head_dim, padded), dtype=x4.dtype, device=x4.device)
+        stored = stored[..., :seqlen]
+        parts = stored.transpose(-1, -2)
     else:
-        parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
-    torch.bitwise_and(x4.view(torch.int32), -8192, out=parts[0].view(torch.int32))
-    torch.sub(x4, parts[0], out=parts[1])
-    return parts.flatten(0, 1)
+        stored = parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
+    if x4.numel():
+        if x4.stride(-1) != 1:
+            x4 = x4.contiguous()
+        key = (x4.shape, x4.stride(), x4.data_ptr() % 16 == 0, transposed, x4.device)
+        launch = _split_launchers.get(key)
+        if launch is None:
+            if len(_split_launchers) >= _MAX_PLANS:
+                _split_launchers.clear()
+            grid = (-(-seqlen // _SPLIT_ROWS) * batch * heads,)
+            launch = _split_launchers[key] = _Launcher(_kernels().tf32_parts, grid, None)
+        with _device_guard(x4):
+            launch(x4, parts, heads, seqlen, head_dim, *x4.stride()[:3], *parts.stride(), _SPLIT_ROWS,
+                   _block_d(head_dim))  # fmt: skip
+    return stored.flatten(0, 1)
+
+
+_SPLIT_ROWS = 32
+_split_launchers: dict[tuple, _Launcher] = {}
 
 
 def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
