@@ -1,7 +1,8 @@
 """Why forward+backward can time above forward plus backward: each part timed alone and together, by
 do_bench and by events inside one iteration, with the caching allocator's cudaMalloc count and the
 host time of a call (no synchronization), for each shape BATCH*HEADSxTxD[xDTYPE] given (causal; the
-dtype bfloat16 unless named).
+dtype bfloat16 unless named); then the GPU's timeline of one do_bench iteration of each autograd pass
+(kernels from the end of its L2 flush, and how long the GPU waited for the host in between).
 
     python3 tools/gpu/fwd_bwd_gap.py 16x16384x64,1x16384x128,1x4096x64xfloat32
 """
@@ -10,6 +11,8 @@ import sys
 
 import torch
 from host_timing import host_us
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 from flashattn_triton import FlashAttentionTriton
@@ -64,6 +67,31 @@ def report(batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype) -> Non
     parts.sort(key=sum)
     fwd_ms, bwd_ms = parts[len(parts) // 2]
     print(f"events, one iteration (median): fwd {fwd_ms:.4f} ms, bwd {bwd_ms:.4f} ms")
+    for name in ("fwd (autograd)", "bwd (autograd, retained graph)", "fwd+bwd (autograd)"):
+        timeline(runs[name], name)
+
+
+def timeline(fn, name: str) -> None:
+    """The kernels of the last of three do_bench-like iterations (a 256 MB L2 flush, then fn), each with
+    its start after the flush ended and its length, and the GPU's idle time among them (us)."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)  # fmt: skip
+    flushes = [i for i, e in enumerate(kernels) if e.time_range.elapsed_us() > 60 and "ill" in e.name]
+    last = kernels[flushes[-1] :]
+    begin = last[0].time_range.end
+    busy = sum(e.time_range.elapsed_us() for e in last[1:])
+    span = last[-1].time_range.end - begin
+    print(f"-- timeline of {name}: {span:.1f} us from the flush's end, GPU idle {span - busy:.1f} us")
+    for e in last[1:]:
+        print(f"   {e.time_range.start - begin:9.1f} +{e.time_range.elapsed_us():9.1f}  {e.name[:60]}")
 
 
 for spec in (sys.argv[1] if len(sys.argv) > 1 else "16x16384x64").split(","):

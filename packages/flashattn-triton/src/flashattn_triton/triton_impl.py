@@ -430,11 +430,18 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
     return config or candidates[0]
 
 
-def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple]) -> Config:
-    """Launch the plan's kernel with args(config). On the plan's first run the config is chosen (the
-    plan's own, else tuned among its candidates) and its launcher made; a config that does not fit
-    this GPU's shared memory steps down through smaller(). Returns the config that ran."""
+def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple],
+         prologue: Callable[[], None] | None = None) -> Config:
+    """Launch the plan's kernel with args(config), after prologue() (a launch it depends on) once its
+    arguments are built: the two then reach the GPU back to back, not a host's argument building apart
+    (a large backward's descriptors took longer than its D preprocess ran). On the plan's first run the
+    config is chosen (the plan's own, else tuned among its candidates) and its launcher made; a config
+    that does not fit this GPU's shared memory steps down through smaller(). Returns the config that
+    ran."""
     if plan.launch is None:
+        if prologue is not None:  # before the tuner's runs
+            prologue()
+            prologue = None
         # One launcher per candidate, so that the timed calls after the first launch directly, as every
         # later call of the plan will: small problems would otherwise time the JIT's host work.
         launchers: dict[Config, _Launcher] = {}
@@ -447,7 +454,11 @@ def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[C
         plan.launch = launchers.get(plan.config) or launcher(plan.config)
     while True:
         try:
-            plan.launch(*args(plan.config))
+            kernel_args = args(plan.config)
+            if prologue is not None:
+                prologue()
+                prologue = None
+            plan.launch(*kernel_args)
             return plan.config
         except _out_of_resources():
             plan.config = smaller(plan.config)
@@ -579,15 +590,16 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                 dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
                 c.atomic_dq, delta_from_o, plan.precision)  # fmt: skip
 
-    preprocess_rows = 64
+    def preprocess() -> None:
+        rows = 64
+        if plan.preprocess is None:
+            grid = (batch * heads, -(-seqlen_q // rows))
+            plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
+        plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
+                        block_d, rows)  # fmt: skip
+
     with _device_guard(q):
-        if delta is not None:
-            if plan.preprocess is None:
-                grid = (batch * heads, -(-seqlen_q // preprocess_rows))
-                plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
-            plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
-                            block_d, preprocess_rows)  # fmt: skip
-        used = _run(plan, launcher, args)
+        used = _run(plan, launcher, args, preprocess if delta is not None else None)
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
     if plan.as_is:
