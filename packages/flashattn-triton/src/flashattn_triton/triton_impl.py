@@ -105,38 +105,38 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
+class _Split:
+    """The TF32 parts of inputs of one layout, as the tf32x3 kernels read them: a float32 (Z, H, T, d)
+    tensor (unit stride along d) as a (2Z, H, T, d) pair of x with its 13 low mantissa bits cleared
+    (exactly TF32), then the remainders x - high; transposed: as (2Z, H, d, T), its rows padded to 16
+    bytes. One allocation and one launch of _kernels.tf32_parts a call, their shapes worked out once."""
+
+    ROWS = 32
+
+    def __init__(self, x4: torch.Tensor, transposed: bool):
+        batch, heads, seqlen, head_dim = x4.shape
+        if transposed:
+            row = -(-seqlen // 4) * 4
+            self.shape = (2 * batch, heads, head_dim, seqlen)
+            self.strides = (heads * head_dim * row, head_dim * row, row, 1)
+            part_strides = (batch * self.strides[0], *self.strides[:2], 1, row)  # as (2, Z, H, T, d)
+        else:
+            self.shape = (2 * batch, heads, seqlen, head_dim)
+            self.strides = (heads * seqlen * head_dim, seqlen * head_dim, head_dim, 1)
+            part_strides = (batch * self.strides[0], *self.strides)
+        self.args = (heads, seqlen, head_dim, *x4.stride()[:3], *part_strides, self.ROWS, _block_d(head_dim))
+        self.launch = _Launcher(_kernels().tf32_parts, (-(-seqlen // self.ROWS) * batch * heads,), None)
+
+    def __call__(self, x4: torch.Tensor) -> torch.Tensor:
+        parts = torch.empty_strided(self.shape, self.strides, dtype=x4.dtype, device=x4.device)
+        if parts.numel():
+            self.launch(x4, parts, *self.args)
+        return parts
+
+
 def _tf32_parts(x4: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """A float32 (Z, H, T, d) tensor as the (2Z, H, T, d) pair the tf32x3 kernels read: x with its 13 low
-    mantissa bits cleared (exactly TF32), then the remainders x - high. Transposed: as (2Z, H, d, T),
-    its rows padded to 16 bytes (the view holds the first T columns). One launch of
-    _kernels.tf32_parts (a layout's later ones direct)."""
-    x4 = x4.detach()  # the launchers are also called outside autograd, on inputs that require grad
-    batch, heads, seqlen, head_dim = x4.shape
-    if transposed:
-        padded = -(-seqlen // 4) * 4
-        stored = torch.empty((2, batch, heads, head_dim, padded), dtype=x4.dtype, device=x4.device)
-        stored = stored[..., :seqlen]
-        parts = stored.transpose(-1, -2)
-    else:
-        stored = parts = torch.empty((2, *x4.shape), dtype=x4.dtype, device=x4.device)
-    if x4.numel():
-        if x4.stride(-1) != 1:
-            x4 = x4.contiguous()
-        key = (x4.shape, x4.stride(), x4.data_ptr() % 16 == 0, transposed, x4.device)
-        launch = _split_launchers.get(key)
-        if launch is None:
-            if len(_split_launchers) >= _MAX_PLANS:
-                _split_launchers.clear()
-            grid = (-(-seqlen // _SPLIT_ROWS) * batch * heads,)
-            launch = _split_launchers[key] = _Launcher(_kernels().tf32_parts, grid, None)
-        with _device_guard(x4):
-            launch(x4, parts, heads, seqlen, head_dim, *x4.stride()[:3], *parts.stride(), _SPLIT_ROWS,
-                   _block_d(head_dim))  # fmt: skip
-    return stored.flatten(0, 1)
-
-
-_SPLIT_ROWS = 32
-_split_launchers: dict[tuple, _Launcher] = {}
+    """x4's TF32 parts (see _Split)."""
+    return _Split(x4, transposed)(x4)
 
 
 def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -148,8 +148,18 @@ def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
 
 def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
-    pass: saving the forward's for the backward would hold twice the inputs in between)."""
-    return tensors if plan.precision != "tf32x3" else tuple(_tf32_parts(t, transposed) for t in tensors)
+    pass: saving the forward's for the backward would hold twice the inputs in between). Their _Splits
+    are the plan's, one for each place of a pass's inputs: the plan's key fixes their layouts."""
+    if plan.precision != "tf32x3":
+        return tensors
+    parts = []
+    with _device_guard(tensors[0]):
+        for place, x4 in enumerate(tensors):
+            split = plan.splits.get((place, transposed))
+            if split is None:
+                split = plan.splits[place, transposed] = _Split(x4, transposed)
+            parts.append(split(x4))
+    return tuple(parts)
 
 
 # Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 32768 at
@@ -350,6 +360,7 @@ class _Plan:
     # A forward's plans of the backward, by what its key adds to the forward's: the incoming gradient's
     # strides and alignment (autograd gives it the output's shape, dtype and device) and the precision.
     backward_plans: dict = dataclasses.field(default_factory=dict)
+    splits: dict[tuple[int, bool], _Split] = dataclasses.field(default_factory=dict)  # (_kernel_inputs)
 
 
 _plans: dict[tuple, _Plan] = {}
