@@ -219,8 +219,10 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
-    fields = [x for name, x in dataclasses.asdict(config).items() if name != "hopper" and x is not None]
-    return "/".join(str(int(x)) for x in fields) + (" hopper" if config.hopper else "")
+    flags = ("hopper", "transposed_grads")
+    fields = [x for name, x in dataclasses.asdict(config).items() if name not in flags and x is not None]
+    named = [name for name in flags if getattr(config, name, False)]
+    return " ".join(["/".join(str(int(x)) for x in fields), *named])
 
 
 class _Launcher:
@@ -456,7 +458,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         outs = [_tiles(o4, rows, block_d, host) if delta_from_o else None for rows in (c.block_m, c.block_n)]
         return (*step, *own, lse, delta, *outs, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim,
                 dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
-                c.atomic_dq, delta_from_o, plan.precision)  # fmt: skip
+                c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads)  # fmt: skip
 
     if not host:
         _set_allocator()
