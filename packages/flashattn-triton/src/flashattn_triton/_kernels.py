@@ -385,7 +385,7 @@ def attn_bwd(
     batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANSPOSED_GRADS: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
@@ -411,13 +411,22 @@ def attn_bwd(
     transposed in registers each step (which spills at d = 128). Transposed, the loaded tiles are the A
     operands, read into registers (_whole), and P, dS the shared-memory B operands, stored K-major as they
     are computed.
+
+    PHASE is "both", or "dkdv" then "dq" for the two launches of a split backward (not with ATOMIC_DQ):
+    ptxas then allocates each phase's registers on its own, where float32's at d = 128 share a kernel only
+    with spills. The dQ launch takes the query tiles from the last (the most keys under causal masking).
+    Grids: (key tiles * Z * H,) and (query tiles * Z * H,).
     """
-    if ATOMIC_DQ:
+    if ATOMIC_DQ or PHASE == "dkdv":
         num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+    elif PHASE == "dq":
+        num_tiles = tl.cdiv(seqlen_q, BLOCK_N)
     else:
         num_tiles = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), tl.cdiv(seqlen_q, BLOCK_N))
     pid = tl.program_id(0)
     tile = pid % num_tiles
+    if CAUSAL and PHASE == "dq":
+        tile = num_tiles - 1 - tile
     bh = pid // num_tiles
     z = bh // heads
     h = bh % heads
@@ -432,7 +441,7 @@ def attn_bwd(
     q_step = _input_descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     do_step = _input_descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
 
-    if start < seqlen_k:
+    if PHASE != "dq" and start < seqlen_k:
         offs_n = start + tl.arange(0, BLOCK_N)
         k_own = _input_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         v_own = _input_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
@@ -495,7 +504,7 @@ def attn_bwd(
         _store_tile(_descriptor(DV, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                     dv.to(v.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
 
-    if not ATOMIC_DQ:
+    if not ATOMIC_DQ and PHASE != "dkdv":
         if start < seqlen_q:
             offs_m = start + tl.arange(0, BLOCK_N)
             q_own = _input_descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,

@@ -219,7 +219,7 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
-    flags = ("hopper", "transposed_grads")
+    flags = ("hopper", "transposed_grads", "split")
     fields = [x for name, x in dataclasses.asdict(config).items() if name not in flags and x is not None]
     named = [name for name in flags if getattr(config, name, False)]
     return " ".join(["/".join(str(int(x)) for x in fields), *named])
@@ -249,6 +249,19 @@ class _Launcher:
             self.compiled = compiled[self.grid]
 
 
+class _Split:
+    """The split backward (BackwardConfig.split): attn_bwd launched for dK/dV, then for dQ, on the arguments
+    of the first launch with PHASE (the last) changed for the second."""
+
+    def __init__(self, dkdv: _Launcher, dq: _Launcher):
+        self.dkdv = dkdv
+        self.dq = dq
+
+    def __call__(self, *args: Any) -> None:
+        self.dkdv(*args)
+        self.dq(*args[:-1], "dq")
+
+
 @dataclasses.dataclass
 class _Plan:
     """How one problem layout runs, worked out on its first call and reused by every later call with
@@ -263,7 +276,7 @@ class _Plan:
     candidates: list
     tune_key: tuple
     config: Any = None
-    launch: _Launcher | None = None
+    launch: _Launcher | _Split | None = None
     preprocess: _Launcher | None = None
 
 
@@ -336,14 +349,15 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
     return config or candidates[0]
 
 
-def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple]) -> Config:
+def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _Split],
+         args: Callable[[Config], tuple]) -> Config:
     """Launch the plan's kernel with args(config). On the plan's first run the config is chosen (the
     plan's own, else tuned among its candidates) and its launcher made; a config that does not fit
     this GPU's shared memory steps down through smaller(). Returns the config that ran."""
     if plan.launch is None:
         # One launcher per candidate, so that the timed calls after the first launch directly, as every
         # later call of the plan will: small problems would otherwise time the JIT's host work.
-        launchers: dict[Config, _Launcher] = {}
+        launchers: dict[Config, _Launcher | _Split] = {}
 
         def run(c: Config) -> None:
             launchers.setdefault(c, launcher(c))(*args(c))
@@ -440,8 +454,12 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
 
-    def launcher(c: BackwardConfig) -> _Launcher:
-        tiles = -(-seqlen_k // c.block_n) if c.atomic_dq else -(-max(seqlen_k, seqlen_q) // c.block_n)
+    def launcher(c: BackwardConfig) -> _Launcher | _Split:
+        key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
+        if c.split:
+            return _Split(_Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c),
+                          _Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), c))  # fmt: skip
+        tiles = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
         return _Launcher(_hopper.kernel("bwd") if c.hopper else kernels.attn_bwd, (tiles * batch * heads,), c)
 
     def args(c: BackwardConfig) -> tuple:
@@ -458,7 +476,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         outs = [_tiles(o4, rows, block_d, host) if delta_from_o else None for rows in (c.block_m, c.block_n)]
         return (*step, *own, lse, delta, *outs, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim,
                 dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
-                c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads)  # fmt: skip
+                c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads,
+                "dkdv" if c.split else "both")  # fmt: skip
 
     if not host:
         _set_allocator()
