@@ -77,6 +77,35 @@ def test_other_tile_shapes(problem, is_causal, backward):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
+TRANSPOSED_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype)
+    ((2,), 70, 45, 128, True, torch.float32),
+    ((1, 2), 33, 64, 96, False, torch.float32),
+    ((2,), 50, 50, 64, True, torch.float32),
+    ((2,), 37, 29, 32, True, torch.float16),
+]
+TRANSPOSED_CONFIGS = [
+    BackwardConfig(16, 32, 4, 1, transposed_grads=True),
+    BackwardConfig(32, 16, 4, 1, transposed_grads=True, split=True),
+    BackwardConfig(16, 32, 4, 1, split=True),
+]
+
+
+@pytest.mark.parametrize("backward", TRANSPOSED_CONFIGS, ids=["transposed", "transposed-split", "split"])
+@pytest.mark.parametrize(
+    "case", TRANSPOSED_CASES, ids=[f"{c[1]}x{c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{str(c[5])[6:]}"
+                                   for c in TRANSPOSED_CASES]  # fmt: skip
+)
+def test_transposed_gradients_and_split_launches(problem, case, backward):
+    """dKᵀ, dVᵀ, dQᵀ accumulated in one loop per phase (float32's layout at full accuracy, where every
+    shared-memory operand is K-major; other dtypes run it too), and dK/dV and dQ as two launches, on ragged
+    problems up to d = 128."""
+    lead, seqlen_q, seqlen_k, head_dim, is_causal, dtype = case
+    p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, scale=0.3)
+    out, lse = triton_forward(p.q, p.k, p.v, is_causal, 0.3)
+    grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.3, backward)
+    p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
 @pytest.mark.parametrize("small", [True, False], ids=["D-in-kernel", "D-preprocess"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_backward_computes_d_in_its_kernel_for_small_problems(problem, monkeypatch, small, dtype):

@@ -38,6 +38,14 @@ def test_described_configs_name_the_hopper_kernel():
     assert triton_impl._describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
     assert triton_impl._describe(HOPPER_BACKWARD[0]) == "64/128/8/4/1/168 hopper"
     assert triton_impl._describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
+    config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
+    assert triton_impl._describe(config) == "16/64/4/3/0 transposed_grads split"
+
+
+def test_transposed_gradients_and_split_need_the_dq_phase():
+    for flags in ({"transposed_grads": True}, {"split": True}):
+        with pytest.raises(ValueError, match="atomic_dq skips"):
+            BackwardConfig(64, 64, 4, 2, atomic_dq=True, **flags)
 
 
 def test_gluon_kernels_can_be_switched_off(monkeypatch):

@@ -38,7 +38,9 @@ class BackwardConfig:
     """Each program owns block_n keys and block_n queries; for dK/dV it steps through the queries
     block_m at a time, for dQ through the keys. With atomic_dq, dQ is instead added up atomically from
     the dK/dV loop. With hopper, the Gluon kernel of _hopper runs it (block_n / 16 consumer warps plus a
-    loader warp, num_stages ring stages)."""
+    loader warp, num_stages ring stages). transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full
+    accuracy: every shared-memory operand K-major) and split runs dK/dV and dQ as two launches (see
+    _kernels.attn_bwd); both need the dQ phase, not atomic_dq."""
 
     block_m: int
     block_n: int
@@ -47,6 +49,8 @@ class BackwardConfig:
     atomic_dq: bool = False
     max_registers: int | None = None
     hopper: bool = False
+    transposed_grads: bool = False
+    split: bool = False
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
@@ -55,6 +59,8 @@ class BackwardConfig:
         if self.hopper and not fits_hopper:
             raise ValueError(f"{self}: the Hopper kernel adds dQ atomically (atomic_dq=True), gives each "
                              "warp 16 keys (num_warps = block_n / 16) and needs num_stages >= 2")
+        if self.atomic_dq and (self.transposed_grads or self.split):
+            raise ValueError(f"{self}: transposed_grads and split change the dQ phase, which atomic_dq skips")
 
 
 # Small tiles for the interpreter: several tiles per test problem, so every mask path runs.

@@ -126,6 +126,20 @@ def _split(x, INPUT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _whole(high, low, INPUT_PRECISION: tl.constexpr):
+    """The tile that _load_parts gave as (high, low), for a product that takes it as its A operand (split
+    again there). Under tf32x3 the sum in registers: Triton keeps a loaded A operand in shared memory, where
+    TF32 wgmma needs it K-major (a transposed one is copied through registers first), while one that went
+    through arithmetic is read from shared memory straight into the registers of the product, in the layout
+    it needs; the sum holds half the registers of the parts until then."""
+    if INPUT_PRECISION == "tf32x3":
+        whole = high + low
+    else:
+        whole = high
+    return whole
+
+
+@triton.jit
 def _dot(a, a_low, b, b_low, acc, INPUT_PRECISION: tl.constexpr):
     """a @ b (+ acc); under tf32x3 from the parts, the small products first."""
     if INPUT_PRECISION == "tf32x3":
@@ -295,15 +309,19 @@ def _bwd_query_tiles(
     dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K; under tf32x3 K_dq = K and the
-    share is scaled), added atomically to a float32 buffer padded to whole tiles."""
+    share is scaled), added atomically to a float32 buffer padded to whole tiles. With TRANSPOSED_GRADS
+    dk and dv hold dKᵀ and dVᵀ (see attn_bwd)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m0
         q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+        if TRANSPOSED_GRADS:
+            q_whole = _whole(q, q_low, INPUT_PRECISION)
         # Rows past the end read L = +inf, so their P is exactly 0 and they add nothing.
         l2 = _load_rows(l_ptrs + rows, rows, seqlen_q, float("inf"), ROW_MASK) * _LOG2E
         qk_t = _dot(k, k_low, tl.trans(q), tl.trans(q_low), None, INPUT_PRECISION)
@@ -312,11 +330,19 @@ def _bwd_query_tiles(
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         do, do_low = _load_parts(do_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
         p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
-        dv = _dot(p_high, p_low, do, do_low, dv, INPUT_PRECISION)
+        if TRANSPOSED_GRADS:  # dVᵀ += dOᵀ P
+            do_t, do_t_low = _split(tl.trans(_whole(do, do_low, INPUT_PRECISION)), INPUT_PRECISION)
+            dv = _dot(do_t, do_t_low, tl.trans(p_high), tl.trans(p_low), dv, INPUT_PRECISION)
+        else:  # dV += Pᵀ dO
+            dv = _dot(p_high, p_low, do, do_low, dv, INPUT_PRECISION)
         delta = _row_delta(delta_src, do, z, h, start_m, seqlen_q, BLOCK_M, BLOCK_D, ROW_MASK, DELTA_FROM_O)
         dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
         ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
-        dk = _dot(ds_high, ds_low, q, q_low, dk, INPUT_PRECISION)
+        if TRANSPOSED_GRADS:  # dKᵀ += Qᵀ dS
+            q_t, q_t_low = _split(tl.trans(q_whole), INPUT_PRECISION)
+            dk = _dot(q_t, q_t_low, tl.trans(ds_high), tl.trans(ds_low), dk, INPUT_PRECISION)
+        else:  # dK += dSᵀ Q
+            dk = _dot(ds_high, ds_low, q, q_low, dk, INPUT_PRECISION)
         if ATOMIC_DQ:
             dq = _dot(tl.trans(ds_high), tl.trans(ds_low), k_dq, k_low, None, INPUT_PRECISION)
             if INPUT_PRECISION == "tf32x3":
@@ -329,13 +355,15 @@ def _bwd_query_tiles(
 def _bwd_key_tiles(
     dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile, accumulated over the key tiles [lo, hi)."""
+    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        if TRANSPOSED_GRADS:
+            k_whole = _whole(k, k_low, INPUT_PRECISION)
         v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
@@ -343,7 +371,11 @@ def _bwd_key_tiles(
             p = tl.where(_visible(offs_m, start_n + offs_n0, seqlen_k, CAUSAL_MASK, KEY_MASK), p, 0.0)
         dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
         ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
-        dq = _dot(ds_high, ds_low, k, k_low, dq, INPUT_PRECISION)
+        if TRANSPOSED_GRADS:  # dQᵀ += Kᵀ dSᵀ
+            k_t, k_t_low = _split(tl.trans(k_whole), INPUT_PRECISION)
+            dq = _dot(k_t, k_t_low, tl.trans(ds_high), tl.trans(ds_low), dq, INPUT_PRECISION)
+        else:  # dQ += dS K
+            dq = _dot(ds_high, ds_low, k, k_low, dq, INPUT_PRECISION)
     return dq
 
 
@@ -353,6 +385,7 @@ def attn_bwd(
     batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
@@ -371,13 +404,29 @@ def attn_bwd(
 
     Q_S, DO_S, K_S, V_S, O_S move tiles of BLOCK_M rows (the steps); Q_T, DO_T, K_T, V_T, O_T, DQ, DK, DV
     tiles of BLOCK_N rows (the program's own).
+
+    TRANSPOSED_GRADS (for tf32x3; not with ATOMIC_DQ) accumulates dKᵀ = Qᵀ dS, dVᵀ = dOᵀ P and dQᵀ = Kᵀ dSᵀ:
+    TF32 wgmma reads a shared-memory operand only K-major, and dK = dSᵀ Q, dV = Pᵀ dO, dQ = dS K would
+    take Q, dO, K as such an operand along their rows, which row-major tiles only give through a copy
+    transposed in registers each step (which spills at d = 128). Transposed, the loaded tiles are the A
+    operands, read into registers (_whole), and P, dS the shared-memory B operands, stored K-major as they
+    are computed.
+
+    PHASE is "both", or "dkdv" then "dq" for the two launches of a split backward (not with ATOMIC_DQ):
+    ptxas then allocates each phase's registers on its own, where float32's at d = 128 share a kernel only
+    with spills. The dQ launch takes the query tiles from the last (the most keys under causal masking).
+    Grids: (key tiles * Z * H,) and (query tiles * Z * H,).
     """
-    if ATOMIC_DQ:
+    if ATOMIC_DQ or PHASE == "dkdv":
         num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
+    elif PHASE == "dq":
+        num_tiles = tl.cdiv(seqlen_q, BLOCK_N)
     else:
         num_tiles = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), tl.cdiv(seqlen_q, BLOCK_N))
     pid = tl.program_id(0)
     tile = pid % num_tiles
+    if CAUSAL and PHASE == "dq":
+        tile = num_tiles - 1 - tile
     bh = pid // num_tiles
     z = bh // heads
     h = bh % heads
@@ -392,7 +441,7 @@ def attn_bwd(
     q_step = _input_descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     do_step = _input_descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
 
-    if start < seqlen_k:
+    if PHASE != "dq" and start < seqlen_k:
         offs_n = start + tl.arange(0, BLOCK_N)
         k_own = _input_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         v_own = _input_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
@@ -403,39 +452,59 @@ def attn_bwd(
             k_dq = (k.to(tl.float32) * scale).to(k.dtype)
         else:
             k_dq = k
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        full_end = (seqlen_q // BLOCK_M) * BLOCK_M
-        if CAUSAL:
-            # Query rows before `start` see none of these keys; query tiles that begin at or after
-            # start + BLOCK_N - 1 see all of them.
+        if TRANSPOSED_GRADS:
+            dk = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+        else:
+            dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        if CAUSAL:  # query rows before `start` see none of these keys
             first = (start // BLOCK_M) * BLOCK_M
-            diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+        else:
+            first = 0
+        if TRANSPOSED_GRADS:
+            # One loop, masked throughout (a few selects a step): across the three loops below, ptxas
+            # spills the wgmma descriptors of K and V and reloads them on every step.
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q, qk_scale,
-                scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
+                DQ_ACC, dq_acc_rows, offs_n, first, seqlen_q, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
+                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS,
             )  # fmt: skip
-            unmasked_start = diagonal_end
         else:
-            unmasked_start = 0
-        dk, dv = _bwd_query_tiles(
-            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step, DQ_ACC,
-            dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D, False,
-            False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-        )  # fmt: skip
-        # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
-        dk, dv = _bwd_query_tiles(
-            dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step, DQ_ACC,
-            dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q, qk_scale, scale,
-            BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-        )  # fmt: skip
+            full_end = (seqlen_q // BLOCK_M) * BLOCK_M
+            if CAUSAL:
+                # Query tiles that begin at or after start + BLOCK_N - 1 see all of these keys.
+                diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+                dk, dv = _bwd_query_tiles(
+                    dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
+                    DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
+                    qk_scale, scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
+                    False,
+                )  # fmt: skip
+                unmasked_start = diagonal_end
+            else:
+                unmasked_start = 0
+            dk, dv = _bwd_query_tiles(
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
+                DQ_ACC, dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M,
+                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False,
+            )  # fmt: skip
+            # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
+            dk, dv = _bwd_query_tiles(
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
+                DQ_ACC, dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q,
+                qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
+                False,
+            )  # fmt: skip
+        if TRANSPOSED_GRADS:
+            dk = tl.trans(dk)
+            dv = tl.trans(dv)
         _store_tile(_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                     (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
         _store_tile(_descriptor(DV, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                     dv.to(v.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
 
-    if not ATOMIC_DQ:
+    if not ATOMIC_DQ and PHASE != "dkdv":
         if start < seqlen_q:
             offs_m = start + tl.arange(0, BLOCK_N)
             q_own = _input_descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
@@ -446,25 +515,38 @@ def attn_bwd(
             do, do_low = _load_parts(do_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
             l2 = _load_rows(l_base + offs_m, offs_m, seqlen_q, float("inf"), True) * _LOG2E
             delta = _row_delta(delta_own, do, z, h, start, seqlen_q, BLOCK_N, BLOCK_D, True, DELTA_FROM_O)
-            dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            if TRANSPOSED_GRADS:
+                dq = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
+            else:
+                dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             k_step = _input_descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
             v_step = _input_descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
             if CAUSAL:
-                unmasked_end = (tl.minimum(start + 1, seqlen_k) // BLOCK_M) * BLOCK_M
                 masked_end = tl.minimum(start + BLOCK_N, seqlen_k)
             else:
-                unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
                 masked_end = seqlen_k
-            dq = _bwd_key_tiles(
-                dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, unmasked_end,
-                seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION,
-            )  # fmt: skip
-            dq = _bwd_key_tiles(
-                dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
-                masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
-            )  # fmt: skip
+            if TRANSPOSED_GRADS:  # one loop, as for dK and dV
+                dq = _bwd_key_tiles(
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, masked_end,
+                    seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, TRANSPOSED_GRADS,
+                )  # fmt: skip
+            else:
+                if CAUSAL:
+                    unmasked_end = (tl.minimum(start + 1, seqlen_k) // BLOCK_M) * BLOCK_M
+                else:
+                    unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
+                dq = _bwd_key_tiles(
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, unmasked_end,
+                    seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False,
+                )  # fmt: skip
+                dq = _bwd_key_tiles(
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
+                    masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, False,
+                )  # fmt: skip
+            if TRANSPOSED_GRADS:
+                dq = tl.trans(dq)
             _store_tile(_descriptor(DQ, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D), z, h, start,
                         (dq * scale).to(q.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
 

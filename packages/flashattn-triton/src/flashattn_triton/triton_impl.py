@@ -105,7 +105,7 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-class _Split:
+class _TF32Split:
     """The TF32 parts of inputs of one layout, as the tf32x3 kernels read them: a float32 (Z, H, T, d)
     tensor (unit stride along d) as a (2Z, H, T, d) pair of x with its 13 low mantissa bits cleared
     (exactly TF32), then the remainders x - high; transposed: as (2Z, H, d, T), its rows padded to 16
@@ -135,8 +135,8 @@ class _Split:
 
 
 def _tf32_parts(x4: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    """x4's TF32 parts (see _Split)."""
-    return _Split(x4, transposed)(x4)
+    """x4's TF32 parts (see _TF32Split)."""
+    return _TF32Split(x4, transposed)(x4)
 
 
 def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -148,7 +148,7 @@ def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
 
 def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
-    pass: saving the forward's for the backward would hold twice the inputs in between). Their _Splits
+    pass: saving the forward's for the backward would hold twice the inputs in between). Their _TF32Splits
     are the plan's, one for each place of a pass's inputs: the plan's key fixes their layouts."""
     if plan.precision != "tf32x3":
         return tensors
@@ -157,7 +157,7 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False
         for place, x4 in enumerate(tensors):
             split = plan.splits.get((place, transposed))
             if split is None:
-                split = plan.splits[place, transposed] = _Split(x4, transposed)
+                split = plan.splits[place, transposed] = _TF32Split(x4, transposed)
             parts.append(split(x4))
     return tuple(parts)
 
@@ -262,8 +262,10 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
-    fields = [x for name, x in dataclasses.asdict(config).items() if name != "hopper" and x is not None]
-    return "/".join(str(int(x)) for x in fields) + (" hopper" if config.hopper else "")
+    flags = ("hopper", "transposed_grads", "split")
+    fields = [x for name, x in dataclasses.asdict(config).items() if name not in flags and x is not None]
+    named = [name for name in flags if getattr(config, name, False)]
+    return " ".join(["/".join(str(int(x)) for x in fields), *named])
 
 
 class _Launcher:
@@ -338,6 +340,19 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
     return direct
 
 
+class _SplitBackward:
+    """The split backward (BackwardConfig.split): attn_bwd launched for dK/dV, then for dQ, on the arguments
+    of the first launch with PHASE (the last) changed for the second."""
+
+    def __init__(self, dkdv: _Launcher, dq: _Launcher):
+        self.dkdv = dkdv
+        self.dq = dq
+
+    def __call__(self, *args: Any) -> None:
+        self.dkdv(*args)
+        self.dq(*args[:-1], "dq")
+
+
 @dataclasses.dataclass
 class _Plan:
     """How one problem layout runs, worked out on its first call and reused by every later call with
@@ -355,12 +370,12 @@ class _Plan:
     candidates: list
     tune_key: tuple
     config: Any = None
-    launch: _Launcher | None = None
+    launch: _Launcher | _SplitBackward | None = None
     preprocess: _Launcher | None = None
     # A forward's plans of the backward, by what its key adds to the forward's: the incoming gradient's
     # strides and alignment (autograd gives it the output's shape, dtype and device) and the precision.
     backward_plans: dict = dataclasses.field(default_factory=dict)
-    splits: dict[tuple[int, bool], _Split] = dataclasses.field(default_factory=dict)  # (_kernel_inputs)
+    splits: dict[tuple[int, bool], _TF32Split] = dataclasses.field(default_factory=dict)  # (_kernel_inputs)
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -441,8 +456,8 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
     return config or candidates[0]
 
 
-def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[Config], tuple],
-         prologue: Callable[[], None] | None = None) -> Config:
+def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _SplitBackward],
+         args: Callable[[Config], tuple], prologue: Callable[[], None] | None = None) -> Config:
     """Launch the plan's kernel with args(config), after prologue() (a launch it depends on) once its
     arguments are built: the two then reach the GPU back to back, not a host's argument building apart
     (a large backward's descriptors took longer than its D preprocess ran). On the plan's first run the
@@ -455,7 +470,7 @@ def _run(plan: _Plan, launcher: Callable[[Config], _Launcher], args: Callable[[C
             prologue = None
         # One launcher per candidate, so that the timed calls after the first launch directly, as every
         # later call of the plan will: small problems would otherwise time the JIT's host work.
-        launchers: dict[Config, _Launcher] = {}
+        launchers: dict[Config, _Launcher | _SplitBackward] = {}
 
         def run(c: Config) -> None:
             launchers.setdefault(c, launcher(c))(*args(c))
@@ -581,8 +596,12 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
 
-    def launcher(c: BackwardConfig) -> _Launcher:
-        tiles = -(-seqlen_k // c.block_n) if c.atomic_dq else -(-max(seqlen_k, seqlen_q) // c.block_n)
+    def launcher(c: BackwardConfig) -> _Launcher | _SplitBackward:
+        key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
+        if c.split:
+            return _SplitBackward(_Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c),
+                                  _Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), c))  # fmt: skip
+        tiles = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
         return _Launcher(_hopper.kernel("bwd") if c.hopper else kernels.attn_bwd, (tiles * batch * heads,), c)
 
     def args(c: BackwardConfig) -> tuple:
@@ -599,7 +618,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         outs = [_tiles(o4, rows, block_d, host) if delta_from_o else None for rows in (c.block_m, c.block_n)]
         return (*step, *own, lse, delta, *outs, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim,
                 dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
-                c.atomic_dq, delta_from_o, plan.precision)  # fmt: skip
+                c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads,
+                "dkdv" if c.split else "both")  # fmt: skip
 
     def preprocess() -> None:
         rows = 64
