@@ -74,7 +74,7 @@ def backward_runner(config: B, q, k, v, grad_out):
 def ran_config(config: B) -> str:
     """The config that ran for the latest backward plan asked for `config` ('' if it was that one)."""
     for key, plan in triton_impl._plans.items():
-        if key[0] == "bwd" and key[5] == config and plan.config != config:
+        if key[0] == "bwd" and config in key and plan.config != config:
             return triton_impl._describe(plan.config)
     return ""
 
