@@ -208,6 +208,28 @@ def test_backward_variants(problem, config, dtype, head_dim):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
+FLOAT32_VARIANTS = [  # transposed gradients, in one launch and in two (PERF.md v16, v17)
+    (BackwardConfig(32, 64, 4, 1, transposed_grads=True), 128),
+    (BackwardConfig(32, 64, 4, 1, transposed_grads=True, split=True), 128),
+    (BackwardConfig(32, 64, 4, 3, transposed_grads=True), 64),
+    (BackwardConfig(32, 64, 4, 3, transposed_grads=True, split=True), 64),
+]
+
+
+@pytest.mark.parametrize(("config", "head_dim"), FLOAT32_VARIANTS, ids=str)
+@pytest.mark.parametrize("host", [False, True], ids=["kernel-descriptors", "host-descriptors"])
+def test_float32_transposed_backward(problem, monkeypatch, config, head_dim, host):
+    """float32 at full accuracy with dKᵀ, dVᵀ, dQᵀ accumulated, on ragged causal problems. The 16-row
+    steps timed at d = 128 are left to tools/gpu/fp32_bwd_variants.py, which runs each in a process of its
+    own (PERF.md "Known fault")."""
+    if host:
+        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    p = problem((2, 3), 333, 290, head_dim, torch.float32, True, device="cuda")
+    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, head_dim**-0.5)
+    grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, head_dim**-0.5, config)
+    p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
 needs_hopper_gluon = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _hopper.available()),
     reason="the Gluon backward needs an sm_90 GPU and a Triton with Gluon for Hopper",

@@ -70,9 +70,10 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 F, B = ForwardConfig, BackwardConfig
 # Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
 # per problem size class and keeps the fastest. Each was measured on an H100 (PERF.md) and builds for
-# sm_90 without register spills, except float32's backward at d = 128 (its tf32 products need the
-# row-major operands transposed through registers). float32 avoids 16-row tiles (Triton 3.6 faulted on
-# them) and 8-warp backward tiles at d = 128 (their spills cost 20-25x).
+# sm_90 without register spills in its loops. float32's backward from d = 64 accumulates transposed
+# gradients (every TF32 operand K-major, PERF.md v19; at d = 128 with 16-row steps, which faulted in
+# Triton 3.6 only under its own tf32x3 split, and also as two launches, v20); float32 avoids 8-warp
+# backward tiles at d = 128 (their spills cost 20-25x).
 _FORWARD = {
     (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
@@ -87,8 +88,8 @@ _BACKWARD = {
     (128, 2): [B(64, 128, 8, 2), B(32, 128, 8, 2), B(32, 64, 4, 3)],
     (256, 2): [B(16, 64, 8, 1)],
     (32, 4): [B(32, 64, 4, 2)],
-    (64, 4): [B(32, 128, 8, 2), B(32, 64, 4, 2), B(32, 64, 4, 1)],
-    (128, 4): [B(32, 64, 4, 1), B(32, 64, 4, 2)],
+    (64, 4): [B(32, 128, 8, 2), B(32, 64, 4, 3, transposed_grads=True), B(32, 64, 4, 1)],
+    (128, 4): [B(16, 64, 4, 3, transposed_grads=True), B(16, 64, 4, 3, transposed_grads=True, split=True)],
     (256, 4): [B(32, 32, 8, 1)],
 }
 

@@ -19,7 +19,8 @@ float32 at full accuracy (INPUT_PRECISION "tf32x3") runs as three TF32 products 
 passes each input as a pair, high parts in batches [0, Z) and remainders in [Z, 2Z) of one (2Z, H, T, d)
 tensor, so that tiles reach the matrix units from shared memory like any other load; only P and dS are
 split in registers. (Triton's own tf32x3 splits every operand in registers, which spills at d = 128.)
-The forward's V comes transposed (see _load_value_parts).
+The forward's V comes transposed (see _load_value_parts); the backward can accumulate its gradients
+transposed (attn_bwd's TRANSPOSED_GRADS), for the same reason.
 
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
@@ -405,12 +406,12 @@ def attn_bwd(
     Q_S, DO_S, K_S, V_S, O_S move tiles of BLOCK_M rows (the steps); Q_T, DO_T, K_T, V_T, O_T, DQ, DK, DV
     tiles of BLOCK_N rows (the program's own).
 
-    TRANSPOSED_GRADS (for tf32x3; not with ATOMIC_DQ) accumulates dKᵀ = Qᵀ dS, dVᵀ = dOᵀ P and dQᵀ = Kᵀ dSᵀ:
-    TF32 wgmma reads a shared-memory operand only K-major, and dK = dSᵀ Q, dV = Pᵀ dO, dQ = dS K would
-    take Q, dO, K as such an operand along their rows, which row-major tiles only give through a copy
-    transposed in registers each step (which spills at d = 128). Transposed, the loaded tiles are the A
-    operands, read into registers (_whole), and P, dS the shared-memory B operands, stored K-major as they
-    are computed.
+    TRANSPOSED_GRADS (made for tf32x3, right for any precision; not with ATOMIC_DQ) accumulates
+    dKᵀ = Qᵀ dS, dVᵀ = dOᵀ P and dQᵀ = Kᵀ dSᵀ: TF32 wgmma reads a shared-memory operand only K-major, and
+    dK = dSᵀ Q, dV = Pᵀ dO, dQ = dS K would take Q, dO, K as such an operand along their rows, which
+    row-major tiles only give through a copy transposed in registers each step (which spills at d = 128).
+    Transposed, the loaded tiles are the A operands, read into registers (_whole), and P, dS the
+    shared-memory B operands, stored K-major as they are computed.
 
     PHASE is "both", or "dkdv" then "dq" for the two launches of a split backward (not with ATOMIC_DQ):
     ptxas then allocates each phase's registers on its own, where float32's at d = 128 share a kernel only
