@@ -1,5 +1,5 @@
 """float32's backward (3xTF32) variants on one GPU: each checked against a float64 reference and timed
-next to SDPA's memory-efficient backend, on causal problems (PERF.md v16).
+next to SDPA's memory-efficient backend, on causal problems (PERF.md v19, v20).
 
     PYTHONPATH=packages/flashattn-triton/src python3 tools/gpu/fp32_bwd_variants.py
     ... --shapes 1x4096x128,1x16384x128,1x16384x64 --rep 60 --only t16-3,t16-3-split

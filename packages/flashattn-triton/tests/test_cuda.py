@@ -208,7 +208,7 @@ def test_backward_variants(problem, config, dtype, head_dim):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
-FLOAT32_VARIANTS = [  # transposed gradients, in one launch and in two (PERF.md v16, v17)
+FLOAT32_VARIANTS = [  # transposed gradients, in one launch and in two (PERF.md v19, v20)
     (BackwardConfig(32, 64, 4, 1, transposed_grads=True), 128),
     (BackwardConfig(32, 64, 4, 1, transposed_grads=True, split=True), 128),
     (BackwardConfig(32, 64, 4, 3, transposed_grads=True), 64),
