@@ -570,7 +570,7 @@ def tf32_parts(
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (rows < seqlen) & (cols < head_dim)
     x = tl.load(X + z * stride_xz + h * stride_xh + rows * stride_xt + cols, mask=mask)
-    high = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    high, low = _split(x, "tf32x3")
     parts = Parts + z * stride_pz + h * stride_ph + rows * stride_pt + cols * stride_pd
     tl.store(parts, high, mask=mask)
-    tl.store(parts + stride_pp, x - high, mask=mask)
+    tl.store(parts + stride_pp, low, mask=mask)
