@@ -84,7 +84,8 @@ def timeline(fn, name: str) -> None:
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)  # fmt: skip
-    flushes = [i for i, e in enumerate(kernels) if e.time_range.elapsed_us() > 60 and "ill" in e.name]
+    flushes = [i for i, e in enumerate(kernels)
+               if e.time_range.elapsed_us() > 60 and "fill" in e.name.lower()]  # fmt: skip
     last = kernels[flushes[-1] :]
     begin = last[0].time_range.end
     busy = sum(e.time_range.elapsed_us() for e in last[1:])

@@ -152,3 +152,16 @@ def problem():
     return make_problem
 
 
+
+
+def _assert_tf32_parts(parts: torch.Tensor, x4: torch.Tensor) -> None:
+    """parts (2Z, H, T, d) are x4 (Z, H, T, d) split exactly, their high halves exact in TF32."""
+    high, low = parts[: x4.shape[0]], parts[x4.shape[0] :]
+    assert not (high.contiguous().view(torch.int32) & 8191).any()  # 10 mantissa bits: exact in TF32
+    assert torch.equal(high + low, x4)  # nothing lost
+
+
+@pytest.fixture
+def assert_tf32_parts():
+    """_assert_tf32_parts(parts, x4)."""
+    return _assert_tf32_parts

@@ -318,9 +318,14 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
     launcher calls data_ptr() and cuPointerGetAttribute on every tensor: about half of a small problem's
     host time a pass (PERF.md v16)."""
     runner = kernel[grid]
+
+    def through_runner(*args: Any) -> None:
+        _set_allocator()  # per call: Triton keeps it per thread, and autograd's backward has its own
+        runner(*args)
+
     run = kernel.run
     if not _launcher_abi_known() or type(run).__name__ != "CudaLauncher" or run.profile_scratch_size:
-        return lambda *args: (_set_allocator(), runner(*args))
+        return through_runner
     launch, function, metadata = run.launch, kernel.function, kernel.packed_metadata
     flags = (run.launch_cooperative_grid, run.launch_pdl)
     scratch_bytes = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
@@ -329,8 +334,7 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
 
     def direct(*args: Any) -> None:
         if _launch_hooked():
-            _set_allocator()
-            runner(*args)
+            through_runner(*args)
             return
         stream = raw_stream(device)
         scratch = _scratch(scratch_bytes, alignment, stream).data_ptr() if scratch_bytes else None
@@ -575,8 +579,9 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     config: BackwardConfig | None = None, *,
                     forward_plan: _Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
-    problem is small), then dK/dV and dQ in one launch. forward_plan: the plan of the forward that
-    made out and lse from these q, k, v, which keeps this backward's plan for the layout of grad_out."""
+    problem is small), then dK/dV and dQ in one launch (two for a split config). forward_plan: the plan
+    of the forward that made out and lse from these q, k, v, which keeps this backward's plan for the
+    layout of grad_out."""
     kernels = _kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
