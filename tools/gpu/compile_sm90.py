@@ -15,7 +15,8 @@ causal unless --full.
     KERNELS_FILE=/tmp/old_kernels.py python tools/gpu/compile_sm90.py bwd:32/64/4/1
 
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES[/ATOMIC_DQ][:FLAGS], FLAGS from transposed (the
-backward's TRANSPOSED_GRADS) and dkdv or dq (one PHASE of the split backward), comma-separated.
+backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward) and split (the forward's
+SPLIT_KV), comma-separated.
 KERNELS_FILE compiles another version of _kernels.py (an experiment, an older commit's).
 """
 
@@ -51,15 +52,22 @@ def desc(ty: str, rows: int, cols: int, small: bool = False) -> str:
     return f"*{ty}" if small else f"tensordesc<{ty}[1, 1, {rows}, {cols}]>"
 
 
-def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, causal: bool, small: bool):
+def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, flags: set, causal: bool,
+                   small: bool):  # fmt: skip
     precision = "tf32x3" if ty == "fp32" else "tf32"
     value = (block_d, block_n) if precision == "tf32x3" else (block_n, block_d)  # V transposed under tf32x3
     signature = {"Q": desc(ty, block_m, block_d, small), "K": desc(ty, block_n, block_d, small),
                  "V": desc(ty, *value, small), "Out": desc(ty, block_m, block_d, small), "L": "*fp32",
+                 "PartialO": "*fp32", "PartialL": "*fp32",
                  "batch": "i32", "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
                  "qk_scale": "fp32"}  # fmt: skip
+    split = "split" in flags
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "CAUSAL": causal,
-                  "INPUT_PRECISION": precision}  # fmt: skip
+                  "INPUT_PRECISION": precision, "SPLIT_KV": split}  # fmt: skip
+    constexprs.update(dict.fromkeys(["Out"] if split else ["PartialO", "PartialL"]))
+    # A KERNELS_FILE from before SPLIT_KV lacks it and the partials.
+    signature = {name: x for name, x in signature.items() if name in kernels.attn_fwd.arg_names}
+    constexprs = {name: x for name, x in constexprs.items() if name in kernels.attn_fwd.arg_names}
     return kernels.attn_fwd, signature, constexprs
 
 
@@ -118,7 +126,8 @@ def compile_one(kernels, spec: str, block_d: int, ty: str, causal: bool, small: 
     block_m, block_n, warps, stages = (int(x) for x in values[:4])
     flags = set(filter(None, flag_text.split(",")))
     if pass_name == "fwd":
-        fn, signature, constexprs = forward_source(kernels, ty, block_d, block_m, block_n, causal, small)
+        fn, signature, constexprs = forward_source(kernels, ty, block_d, block_m, block_n, flags, causal,
+                                                   small)  # fmt: skip
     else:
         atomic = len(values) > 4 and values[4] == "1"
         fn, signature, constexprs = backward_source(kernels, ty, block_d, block_m, block_n, atomic, flags,

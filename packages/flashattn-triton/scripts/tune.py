@@ -52,8 +52,10 @@ def candidates(which: str, head_dim: int, dtype: torch.dtype, extra: dict[str, l
     """_configs.py's candidates (with the Gluon kernel for Hopper where its head dims and dtypes allow),
     then the --extra ones not among them."""
     size = torch.empty((), dtype=dtype).element_size()
-    table = forward_candidates if which == "fwd" else backward_candidates
-    listed = table(_block_d(head_dim), size, False)
+    if which == "fwd":  # with the split key tiles of small problems
+        listed = forward_candidates(_block_d(head_dim), size, False, small=True)
+    else:
+        listed = backward_candidates(_block_d(head_dim), size, False)
     if size == 2 and head_dim in _hopper.HEAD_DIMS[which] and _hopper.available():
         listed = listed + (HOPPER_FORWARD if which == "fwd" else HOPPER_BACKWARD)
     return listed + [c for c in extra[which] if c not in listed]
@@ -148,8 +150,9 @@ def main() -> None:
         large = bh * seq * seq * d >= triton_impl.SMALL_PROBLEM_WORK
         return which, config, 1 if bh == 1 else 16, d, dtype, large
 
-    def runs(key: tuple) -> bool:  # the Gluon kernels take large problems only
-        return key[5] or not key[1].hopper
+    def runs(key: tuple) -> bool:  # the Gluon kernels take large problems only, split key tiles small ones
+        large, config = key[5], key[1]
+        return not config.hopper if not large else getattr(config, "kv_splits", 1) == 1
 
     jobs = {compile_key(which, config, *shape) for shape in shapes for which in ("fwd", "bwd")
             for config in candidates(which, shape[2], DTYPES[shape[3]], extra)}  # fmt: skip

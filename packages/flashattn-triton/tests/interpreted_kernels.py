@@ -7,13 +7,14 @@ interpreter computes bfloat16 dot products wrongly, so bfloat16 is left to the C
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from flashattn_triton import FlashAttentionTriton, flash_attention, triton_impl
-from flashattn_triton._configs import BackwardConfig, ForwardConfig
+from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
 from flashattn_triton.triton_impl import _tf32_parts, triton_backward, triton_forward
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -75,6 +76,32 @@ def test_other_tile_shapes(problem, is_causal, backward):
     out, lse = triton_forward(p.q, p.k, p.v, is_causal, 0.2, ForwardConfig(16, 32, 4, 1))
     grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.2, backward)
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+
+
+SPLIT_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype, kv_splits)
+    ((2,), 75, 51, 32, True, torch.float32, 2),
+    ((1, 2), 96, 96, 64, True, torch.float32, 3),  # diagonal tiles after an unmasked split boundary
+    ((2,), 40, 90, 16, False, torch.float32, 4),  # ragged keys in the last split only
+    ((1,), 70, 20, 24, True, torch.float16, 5),  # more splits than key tiles: empty splits weigh 0
+    ((3,), 33, 64, 96, False, torch.float16, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "case", SPLIT_CASES, ids=[f"{c[1]}x{c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{str(c[5])[6:]}-{c[6]}"
+                              for c in SPLIT_CASES]  # fmt: skip
+)
+def test_split_key_tiles_give_the_same_attention_and_gradients(problem, case):
+    """The forward with its key tiles split among programs (each program's partial O and lse, then
+    attn_fwd_combine): O and L as from one program per query tile, and a backward from that L exact."""
+    lead, seqlen_q, seqlen_k, head_dim, is_causal, dtype, kv_splits = case
+    p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, scale=0.3)
+    config = dataclasses.replace(INTERPRETER_FORWARD, kv_splits=kv_splits)
+    out, lse = triton_forward(p.q, p.k, p.v, is_causal, 0.3, config)
+    grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.3)
+    p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+    (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "fwd"]
+    assert type(plan.launch).__name__ == "_SplitForward"
 
 
 TRANSPOSED_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from flashattn_triton import _hopper, triton_impl
+from flashattn_triton import _configs, _hopper, triton_impl
 from flashattn_triton._configs import HOPPER_BACKWARD, HOPPER_FORWARD, BackwardConfig, ForwardConfig, smaller
 
 
@@ -40,6 +42,26 @@ def test_described_configs_name_the_hopper_kernel():
     assert triton_impl._describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
     config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
     assert triton_impl._describe(config) == "16/64/4/3/0 transposed_grads split"
+
+
+def test_kv_splits_must_be_a_small_count_and_not_on_the_hopper_kernel():
+    for bad in (0, _configs.MAX_KV_SPLITS + 1, 2.0):
+        with pytest.raises(ValueError, match=f"kv_splits={bad}"):
+            ForwardConfig(64, 64, 4, 2, kv_splits=bad)
+    with pytest.raises(ValueError, match="kv_splits=1"):
+        ForwardConfig(128, 128, 4, 2, hopper=True, kv_splits=2)
+    assert triton_impl._describe(ForwardConfig(64, 128, 4, 3, kv_splits=4)) == "64/128/4/3 kv_splits=4"
+
+
+def test_key_tiles_are_split_only_among_small_problems_candidates():
+    large = _configs.forward_candidates(64, 2, False)
+    small = _configs.forward_candidates(64, 2, False, small=True)
+    assert all(c.kv_splits == 1 for c in large)
+    assert small[: len(large)] == large
+    assert {(replace(c, kv_splits=1), c.kv_splits) for c in small[len(large):]} == {
+        (c, n) for c in large for n in _configs.KV_SPLITS
+    }
+    assert _configs.forward_candidates(64, 2, True, small=True) == [_configs.INTERPRETER_FORWARD]
 
 
 def test_transposed_gradients_and_split_need_the_dq_phase():

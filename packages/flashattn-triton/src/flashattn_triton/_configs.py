@@ -16,6 +16,9 @@ def _check_blocks(config: object, names: list[str], largest: int) -> None:
             raise ValueError(f"{name}={size}: block sizes are powers of two from 16 to {largest}")
 
 
+MAX_KV_SPLITS = 16
+
+
 @dataclass(frozen=True)
 class ForwardConfig:
     block_m: int
@@ -24,9 +27,16 @@ class ForwardConfig:
     num_stages: int
     max_registers: int | None = None  # a per-thread register cap (Triton's maxnreg): more programs per SM
     hopper: bool = False  # the Gluon kernel of _hopper: two consumers of block_m / 2 rows, num_warps each
+    # Programs per query tile, each walking an even share of its key tiles; a second launch combines their
+    # partial results (_kernels.attn_fwd_combine). For problems whose query tiles do not fill the GPU.
+    kv_splits: int = 1
 
     def __post_init__(self) -> None:
         _check_blocks(self, ["block_m", "block_n"], 256)
+        if not (isinstance(self.kv_splits, int) and 1 <= self.kv_splits <= MAX_KV_SPLITS):
+            raise ValueError(f"kv_splits={self.kv_splits}: an int from 1 to {MAX_KV_SPLITS}")
+        if self.hopper and self.kv_splits > 1:
+            raise ValueError(f"{self}: the Hopper forward walks every key tile of a query tile (kv_splits=1)")
         if self.hopper and not (self.block_n == self.block_m and self.num_warps * 32 == self.block_m
                                 and self.num_stages >= 2):  # fmt: skip
             raise ValueError(f"{self}: the Hopper forward needs block_n = block_m, num_warps = block_m / 32 "
@@ -100,8 +110,21 @@ def _row(table: dict, block_d: int, element_size: int) -> list:
     return table[(max(block_d, smallest), element_size)]
 
 
-def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list[ForwardConfig]:
-    return [INTERPRETER_FORWARD] if interpret else _row(_FORWARD, block_d, element_size)
+# Tried on small problems (below triton_impl.SMALL_PROBLEM_WORK) with each candidate above: one program a
+# query tile leaves most of an H100 idle there, and the programs of the last query tiles walk the longest
+# chains of key tiles (PERF.md v21).
+KV_SPLITS = (2, 4, 8)
+
+
+def forward_candidates(block_d: int, element_size: int, interpret: bool,
+                       small: bool = False) -> list[ForwardConfig]:  # fmt: skip
+    """The forward's candidates; for a small problem also each one with its key tiles split KV_SPLITS ways."""
+    if interpret:
+        return [INTERPRETER_FORWARD]
+    candidates = _row(_FORWARD, block_d, element_size)
+    if small:
+        candidates = candidates + [replace(c, kv_splits=n) for n in KV_SPLITS for c in candidates]
+    return candidates
 
 
 def backward_candidates(block_d: int, element_size: int, interpret: bool) -> list[BackwardConfig]:

@@ -223,11 +223,13 @@ def _fwd_key_tiles(
 
 @triton.jit
 def attn_fwd(
-    Q, K, V, Out, L, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
+    Q, K, V, Out, L, PartialO, PartialL, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,)."""
+    """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,).
+    Under SPLIT_KV, grid (tiles * Z * H, splits): program (i, s) walks the s-th share of the key tiles
+    and stores its partial O and log2-sum-exp for attn_fwd_combine to weigh."""
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     tile = pid % num_tiles
@@ -239,7 +241,8 @@ def attn_fwd(
     q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     k_desc = _input_descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
     v_desc = _value_descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-    o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
+    if not SPLIT_KV:
+        o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
@@ -254,9 +257,20 @@ def attn_fwd(
     else:
         unmasked_end = (seqlen_k // BLOCK_N) * BLOCK_N
         masked_end = seqlen_k
+    start_n = 0
+    if SPLIT_KV:
+        # Split s takes the unmasked tiles [s * u / S, (s + 1) * u / S) and the last split the masked ones
+        # too. So a split either sees no key (l = 0) or its rows all see its first key (unmasked_end <=
+        # start_m): m stays finite where the masks are applied.
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        unmasked_tiles = unmasked_end // BLOCK_N
+        start_n = split * unmasked_tiles // splits * BLOCK_N
+        unmasked_end = (split + 1) * unmasked_tiles // splits * BLOCK_N
+        masked_end = tl.where(split == splits - 1, masked_end, unmasked_end)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, 0, unmasked_end, seqlen_k, qk_scale,
-        BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, start_n, unmasked_end, seqlen_k,
+        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION,
     )  # fmt: skip
     # The causal diagonal and the ragged end of the keys (empty for non-causal with full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
@@ -264,9 +278,51 @@ def attn_fwd(
         qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
     )  # fmt: skip
 
-    lse = (m_i + tl.math.log2(l_i)) * _LN2
-    tl.store(L + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    _store_tile(o_desc, z, h, start_m, (acc / l_i[:, None]).to(q.dtype), BLOCK_M, BLOCK_D)
+    if SPLIT_KV:
+        # Partials of (splits, Z * H, tiles * BLOCK_M) rows: O normalized (0 where no key was seen) and
+        # m + log2(l) (-inf there, which gives that split weight 0).
+        row = (split * batch * heads + bh).to(tl.int64) * num_tiles * BLOCK_M + offs_m
+        tl.store(PartialL + row, m_i + tl.math.log2(l_i))
+        offs_o = row[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        tl.store(PartialO + offs_o, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
+    else:
+        lse = (m_i + tl.math.log2(l_i)) * _LN2
+        tl.store(L + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+        _store_tile(o_desc, z, h, start_m, (acc / l_i[:, None]).to(q.dtype), BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def attn_fwd_combine(
+    PartialO, PartialL, Out, L, batch_heads, seqlen_q, partial_rows, head_dim, splits,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """O and L of BLOCK_M rows from attn_fwd's `splits` partials (O_s, lse_s), partial_rows a head each:
+    lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: contiguous (Z * H, seqlen_q, head_dim).
+    Grid: (tiles * Z * H,)."""
+    num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = pid // num_tiles
+    rows = pid % num_tiles * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    in_rows = rows < seqlen_q
+    # The largest lse_s of each row first: finite, since the last split saw at least one key.
+    lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(splits):
+        partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
+        lse_max = tl.maximum(lse_max, tl.load(PartialL + partial, mask=in_rows, other=0.0))
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for s in range(splits):
+        partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
+        weight = tl.math.exp2(tl.load(PartialL + partial, mask=in_rows, other=0.0) - lse_max)
+        o = tl.load(PartialO + partial[:, None] * BLOCK_D + cols[None, :], mask=in_rows[:, None], other=0.0)
+        acc += weight[:, None] * o
+        total += weight
+    out_rows = bh.to(tl.int64) * seqlen_q + rows
+    tl.store(L + out_rows, (lse_max + tl.math.log2(total)) * _LN2, mask=in_rows)
+    out = (acc / total[:, None]).to(Out.dtype.element_ty)
+    in_tile = in_rows[:, None] & (cols < head_dim)[None, :]
+    tl.store(Out + out_rows[:, None] * head_dim + cols[None, :], out, mask=in_tile)
 
 
 @triton.jit

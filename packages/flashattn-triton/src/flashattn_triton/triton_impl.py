@@ -173,6 +173,8 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False
 # kernel, saving the preprocess launch.
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 
+COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
+
 
 def _host_descriptors(device: torch.device, work: int) -> bool:
     """Whether the host builds the tensor descriptors of a problem of `work` (pairs times head dim):
@@ -262,10 +264,14 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
-    flags = ("hopper", "transposed_grads", "split")
-    fields = [x for name, x in dataclasses.asdict(config).items() if name not in flags and x is not None]
-    named = [name for name in flags if getattr(config, name, False)]
-    return " ".join(["/".join(str(int(x)) for x in fields), *named])
+    """The numbers of a config joined by '/', then its flags and its kv_splits beyond 1 by name."""
+    named = ("hopper", "transposed_grads", "split", "kv_splits")
+    fields = [x for name, x in dataclasses.asdict(config).items() if name not in named and x is not None]
+    flags = [name for name in named[:-1] if getattr(config, name, False)]
+    splits = getattr(config, "kv_splits", 1)
+    if splits > 1:
+        flags.append(f"kv_splits={splits}")
+    return " ".join(["/".join(str(int(x)) for x in fields), *flags])
 
 
 class _Launcher:
@@ -344,6 +350,19 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
     return direct
 
 
+class _SplitForward:
+    """The forward with its key tiles split (ForwardConfig.kv_splits): attn_fwd's partials, then
+    attn_fwd_combine on the arguments that end the first launch's, as one tuple."""
+
+    def __init__(self, partials: _Launcher, combine: _Launcher):
+        self.partials = partials
+        self.combine = combine
+
+    def __call__(self, *args: Any) -> None:
+        self.partials(*args[:-1])
+        self.combine(*args[-1])
+
+
 class _SplitBackward:
     """The split backward (BackwardConfig.split): attn_bwd launched for dK/dV, then for dQ, on the arguments
     of the first launch with PHASE (the last) changed for the second."""
@@ -409,11 +428,13 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         block_d = _block_d(head_dim)
         seqlen_q, seqlen_k, batch_heads = q.shape[-2], tensors[1].shape[-2], q.shape[:-2].numel()
         work = batch_heads * seqlen_q * seqlen_k * q.shape[-1]
-        table = forward_candidates if pass_name == "fwd" else backward_candidates
-        candidates = table(block_d, q.element_size(), _interpreted())
         small = work < SMALL_PROBLEM_WORK
-        if pass_name == "bwd" and small:  # host-bound: no atomic dQ (see there)
-            candidates = [c for c in candidates if not c.atomic_dq] or candidates
+        if pass_name == "fwd":
+            candidates = forward_candidates(block_d, q.element_size(), _interpreted(), small)
+        else:
+            candidates = backward_candidates(block_d, q.element_size(), _interpreted())
+            if small:  # host-bound: no atomic dQ (see there)
+                candidates = [c for c in candidates if not c.atomic_dq] or candidates
         hopper = not small and _hopper.supports(pass_name, q, tensors, head_dim)
         if hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the portable kernel,
             # and the tuner skips a Gluon build that another Triton version refuses
@@ -531,19 +552,34 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
     v_transposed = plan.precision == "tf32x3"
 
-    def launcher(c: ForwardConfig) -> _Launcher:
-        kernel = _hopper.kernel("fwd") if c.hopper else kernels.attn_fwd
-        return _Launcher(kernel, (-(-seqlen_q // c.block_m) * batch * heads,), c)
+    def launcher(c: ForwardConfig) -> _Launcher | _SplitForward:
+        tiles = -(-seqlen_q // c.block_m) * batch * heads
+        if c.kv_splits > 1:
+            combine_tiles = -(-seqlen_q // COMBINE_ROWS) * batch * heads
+            return _SplitForward(_Launcher(kernels.attn_fwd, (tiles, c.kv_splits), c),
+                                 _Launcher(kernels.attn_fwd_combine, (combine_tiles,), None))  # fmt: skip
+        return _Launcher(_hopper.kernel("fwd") if c.hopper else kernels.attn_fwd, (tiles,), c)
 
     def args(c: ForwardConfig) -> tuple:
         if c.hopper:  # (_hopper.supports: contiguous inputs, T a multiple of 128)
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
                                         is_causal, scale)  # fmt: skip
-        return (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
+        split = c.kv_splits > 1
+        if split:  # float32 partials of whole query tiles, so that attn_fwd stores them unmasked
+            rows = -(-seqlen_q // c.block_m) * c.block_m
+            partial_o = torch.empty((c.kv_splits, batch * heads, rows, block_d), dtype=torch.float32,
+                                    device=q.device)  # fmt: skip
+            partial_l = torch.empty(partial_o.shape[:-1], dtype=torch.float32, device=q.device)
+        main = (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
                 _tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
-                _tiles(o4, c.block_m, block_d, host), lse,
+                None if split else _tiles(o4, c.block_m, block_d, host), lse,
+                partial_o if split else None, partial_l if split else None,
                 batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
-                c.block_m, c.block_n, block_d, is_causal, plan.precision)  # fmt: skip
+                c.block_m, c.block_n, block_d, is_causal, plan.precision, split)  # fmt: skip
+        if not split:
+            return main
+        return (*main, (partial_o, partial_l, o4, lse, batch * heads, seqlen_q, rows, head_dim, c.kv_splits,
+                        COMBINE_ROWS, block_d))  # fmt: skip
 
     with _device_guard(q):
         _run(plan, launcher, args)
