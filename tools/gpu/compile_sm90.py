@@ -58,13 +58,13 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
     value = (block_d, block_n) if precision == "tf32x3" else (block_n, block_d)  # V transposed under tf32x3
     signature = {"Q": desc(ty, block_m, block_d, small), "K": desc(ty, block_n, block_d, small),
                  "V": desc(ty, *value, small), "Out": desc(ty, block_m, block_d, small), "L": "*fp32",
-                 "PartialO": "*fp32", "PartialL": "*fp32",
+                 "Partials": "*fp32",
                  "batch": "i32", "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
                  "qk_scale": "fp32"}  # fmt: skip
     split = "split" in flags
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "CAUSAL": causal,
                   "INPUT_PRECISION": precision, "SPLIT_KV": split}  # fmt: skip
-    constexprs.update(dict.fromkeys(["Out"] if split else ["PartialO", "PartialL"]))
+    constexprs.update(dict.fromkeys(["Out" if split else "Partials"]))
     # A KERNELS_FILE from before SPLIT_KV lacks it and the partials.
     signature = {name: x for name, x in signature.items() if name in kernels.attn_fwd.arg_names}
     constexprs = {name: x for name, x in constexprs.items() if name in kernels.attn_fwd.arg_names}

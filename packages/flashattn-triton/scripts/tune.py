@@ -29,6 +29,7 @@ from flashattn_triton._configs import (
     ForwardConfig,
     backward_candidates,
     forward_candidates,
+    with_split_key_tiles,
 )
 from flashattn_triton.triton_impl import _block_d, _describe, triton_backward, triton_forward
 
@@ -48,14 +49,16 @@ def parse_extra(text: str) -> dict[str, list]:
     return extra
 
 
-def candidates(which: str, head_dim: int, dtype: torch.dtype, extra: dict[str, list]) -> list:
-    """_configs.py's candidates (with the Gluon kernel for Hopper where its head dims and dtypes allow),
-    then the --extra ones not among them."""
+def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
+               extra: dict[str, list]) -> list:  # fmt: skip
+    """_configs.py's candidates for a problem (with split key tiles where the launcher tries them, and the
+    Gluon kernel for Hopper where its head dims and dtypes allow), then the --extra ones not among them."""
     size = torch.empty((), dtype=dtype).element_size()
-    if which == "fwd":  # with the split key tiles of small problems
-        listed = forward_candidates(_block_d(head_dim), size, False, small=True)
-    else:
-        listed = backward_candidates(_block_d(head_dim), size, False)
+    table = forward_candidates if which == "fwd" else backward_candidates
+    listed = table(_block_d(head_dim), size, False)
+    if which == "fwd" and batch_heads * seq * seq * head_dim < triton_impl.SMALL_PROBLEM_WORK:
+        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+        listed = with_split_key_tiles(listed, seq, seq, batch_heads, sm_count)
     if size == 2 and head_dim in _hopper.HEAD_DIMS[which] and _hopper.available():
         listed = listed + (HOPPER_FORWARD if which == "fwd" else HOPPER_BACKWARD)
     return listed + [c for c in extra[which] if c not in listed]
@@ -155,7 +158,7 @@ def main() -> None:
         return not config.hopper if not large else getattr(config, "kv_splits", 1) == 1
 
     jobs = {compile_key(which, config, *shape) for shape in shapes for which in ("fwd", "bwd")
-            for config in candidates(which, shape[2], DTYPES[shape[3]], extra)}  # fmt: skip
+            for config in candidates(which, *shape[:3], DTYPES[shape[3]], extra)}  # fmt: skip
     jobs = sorted(filter(runs, jobs), key=str)
     start = time.time()
     failed = {}
@@ -179,7 +182,7 @@ def main() -> None:
         sdpa_ms, (ref_out, ref_grads) = time_sdpa(q, k, v, grad_out, args.rep)
         for which in ("fwd", "bwd"):
             flops = 4.0 * bh * seq * seq * d / 2 * (1.0 if which == "fwd" else 2.5)
-            for config in candidates(which, d, dtype, extra):
+            for config in candidates(which, bh, seq, d, dtype, extra):
                 key = compile_key(which, config, bh, seq, d, dtype_name)
                 if key in failed or not runs(key):
                     continue

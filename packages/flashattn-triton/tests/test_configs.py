@@ -53,15 +53,19 @@ def test_kv_splits_must_be_a_small_count_and_not_on_the_hopper_kernel():
     assert triton_impl._describe(ForwardConfig(64, 128, 4, 3, kv_splits=4)) == "64/128/4/3 kv_splits=4"
 
 
-def test_key_tiles_are_split_only_among_small_problems_candidates():
-    large = _configs.forward_candidates(64, 2, False)
-    small = _configs.forward_candidates(64, 2, False, small=True)
-    assert all(c.kv_splits == 1 for c in large)
-    assert small[: len(large)] == large
-    assert {(replace(c, kv_splits=1), c.kv_splits) for c in small[len(large):]} == {
-        (c, n) for c in large for n in _configs.KV_SPLITS
+def test_key_tiles_are_split_where_query_tiles_leave_the_gpu_short_of_work():
+    base = _configs.forward_candidates(64, 2, False)
+    short = _configs.with_split_key_tiles(base, 4096, 4096, 1, 132)  # 64 query tiles, 32 key tiles a chain
+    assert short[: len(base)] == base
+    assert {(replace(c, kv_splits=1), c.kv_splits) for c in short[len(base):]} == {
+        (c, n) for c in base for n in _configs.KV_SPLITS
     }
-    assert _configs.forward_candidates(64, 2, True, small=True) == [_configs.INTERPRETER_FORWARD]
+    chain = _configs.SPLIT_MIN_KEY_TILES
+    for seqlen, batch_heads in ((64 * 264, 1), (4096, 5), (chain * 128 - 1, 1)):  # a full GPU, a short chain
+        splits = _configs.with_split_key_tiles(base, seqlen, seqlen, batch_heads, 132)
+        assert [c for c in splits if c.kv_splits > 1 and c.block_n == 128] == [], (seqlen, batch_heads)
+    hopper = _configs.HOPPER_FORWARD
+    assert _configs.with_split_key_tiles(hopper, 4096, 4096, 1, 132) == hopper
 
 
 def test_transposed_gradients_and_split_need_the_dq_phase():

@@ -169,7 +169,8 @@ def test_every_candidate(problem, dtype, head_dim):
     p = problem((2, 3), 333, 290, head_dim, dtype, True, device="cuda")
     size = torch.empty((), dtype=dtype).element_size()
     scale = head_dim**-0.5
-    for config in _configs.forward_candidates(head_dim, size, False, small=True):
+    forward = _configs.forward_candidates(head_dim, size, False)
+    for config in _configs.with_split_key_tiles(forward, 1, 1 << 20, 1, 1):  # and each with split key tiles
         out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, scale, config)
         p.assert_close({"out": out, "lse": lse})
     for config in _configs.backward_candidates(head_dim, size, False):
@@ -186,7 +187,8 @@ def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch):
     out.backward(p.grad_out)
     p.check(out, q, k, v)
     chosen = {key[0]: config for key, config in triton_impl._chosen.items()}
-    assert chosen["fwd"] in _configs.forward_candidates(64, 2, False, small=True)
+    forward = _configs.forward_candidates(64, 2, False)
+    assert chosen["fwd"] in _configs.with_split_key_tiles(forward, 1024, 1024, 4, 1024)
     assert chosen["bwd"] in _configs.backward_candidates(64, 2, False)
 
 
@@ -289,6 +291,23 @@ def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypa
     no = {"fwd": False, "bwd": False}
     assert offered == {"d=64": {"fwd": True, "bwd": True}, "d=128": {"fwd": True, "bwd": False},
                        "d=32": {"fwd": False, "bwd": True}, "ragged": no, "transposed": no, "d=48": no}
+
+
+def test_tuner_offers_split_key_tiles_only_to_small_problems_short_of_programs():
+    """Split key tiles are candidates for a small problem whose query tiles are too few for the GPU and
+    whose chains of key tiles are long; not with many heads, short sequences, or above the small-problem
+    size."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    few = max(1, sm_count * 64 // 4096)  # heads of fewer than two programs an SM at T = 4096
+    offered = {}
+    for name, heads, seqlen in (("few heads", few, 4096), ("many heads", 8 * few, 4096), ("short", 1, 1024),
+                                ("large", 1, 65536)):  # fmt: skip
+        q = torch.randn(1, heads, seqlen, 64, device="cuda", dtype=torch.bfloat16)
+        triton_impl.triton_forward(q, q, q, True, 0.125)
+        ((key, plan),) = triton_impl._plans.items()
+        offered[name] = any(c.kv_splits > 1 for c in plan.candidates)
+        triton_impl._plans.clear()
+    assert offered == {"few heads": True, "many heads": False, "short": False, "large": False}
 
 
 def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):

@@ -110,21 +110,24 @@ def _row(table: dict, block_d: int, element_size: int) -> list:
     return table[(max(block_d, smallest), element_size)]
 
 
-# Tried on small problems (below triton_impl.SMALL_PROBLEM_WORK) with each candidate above: one program a
-# query tile leaves most of an H100 idle there, and the programs of the last query tiles walk the longest
-# chains of key tiles (PERF.md v21).
+def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list[ForwardConfig]:
+    return [INTERPRETER_FORWARD] if interpret else _row(_FORWARD, block_d, element_size)
+
+
+# Key tiles split among programs (ForwardConfig.kv_splits) are tried where one program a query tile leaves
+# the GPU short of work: fewer programs than two an SM, and a longest chain of at least SPLIT_MIN_KEY_TILES
+# key tiles (with shorter ones a split saved less GPU time than its second launch and allocation cost the
+# host, PERF.md v21).
 KV_SPLITS = (2, 4, 8)
+SPLIT_MIN_KEY_TILES = 32
 
 
-def forward_candidates(block_d: int, element_size: int, interpret: bool,
-                       small: bool = False) -> list[ForwardConfig]:  # fmt: skip
-    """The forward's candidates; for a small problem also each one with its key tiles split KV_SPLITS ways."""
-    if interpret:
-        return [INTERPRETER_FORWARD]
-    candidates = _row(_FORWARD, block_d, element_size)
-    if small:
-        candidates = candidates + [replace(c, kv_splits=n) for n in KV_SPLITS for c in candidates]
-    return candidates
+def with_split_key_tiles(candidates: list[ForwardConfig], seqlen_q: int, seqlen_k: int, batch_heads: int,
+                         sm_count: int) -> list[ForwardConfig]:  # fmt: skip
+    """The candidates, then each that leaves the GPU short of work with its key tiles split KV_SPLITS ways."""
+    short = [c for c in candidates if not c.hopper and seqlen_k >= SPLIT_MIN_KEY_TILES * c.block_n
+             and -(-seqlen_q // c.block_m) * batch_heads < 2 * sm_count]  # fmt: skip
+    return candidates + [replace(c, kv_splits=n) for n in KV_SPLITS for c in short]
 
 
 def backward_candidates(block_d: int, element_size: int, interpret: bool) -> list[BackwardConfig]:

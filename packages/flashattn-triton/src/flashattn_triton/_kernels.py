@@ -223,13 +223,13 @@ def _fwd_key_tiles(
 
 @triton.jit
 def attn_fwd(
-    Q, K, V, Out, L, PartialO, PartialL, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
+    Q, K, V, Out, L, Partials, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,).
     Under SPLIT_KV, grid (tiles * Z * H, splits): program (i, s) walks the s-th share of the key tiles
-    and stores its partial O and log2-sum-exp for attn_fwd_combine to weigh."""
+    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh."""
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     tile = pid % num_tiles
@@ -279,12 +279,14 @@ def attn_fwd(
     )  # fmt: skip
 
     if SPLIT_KV:
-        # Partials of (splits, Z * H, tiles * BLOCK_M) rows: O normalized (0 where no key was seen) and
-        # m + log2(l) (-inf there, which gives that split weight 0).
-        row = (split * batch * heads + bh).to(tl.int64) * num_tiles * BLOCK_M + offs_m
-        tl.store(PartialL + row, m_i + tl.math.log2(l_i))
+        # Partials (float32): O of (splits, Z * H, tiles * BLOCK_M) rows, normalized (0 where no key was
+        # seen), then each row's m + log2(l) (-inf there, which gives that split weight 0).
+        partial_rows = num_tiles * BLOCK_M
+        row = (split * batch * heads + bh).to(tl.int64) * partial_rows + offs_m
         offs_o = row[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-        tl.store(PartialO + offs_o, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
+        tl.store(Partials + offs_o, acc / tl.where(l_i == 0, 1.0, l_i)[:, None])
+        lse_start = splits.to(tl.int64) * batch * heads * partial_rows * BLOCK_D
+        tl.store(Partials + lse_start + row, m_i + tl.math.log2(l_i))
     else:
         lse = (m_i + tl.math.log2(l_i)) * _LN2
         tl.store(L + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
@@ -293,12 +295,13 @@ def attn_fwd(
 
 @triton.jit
 def attn_fwd_combine(
-    PartialO, PartialL, Out, L, batch_heads, seqlen_q, partial_rows, head_dim, splits,
+    Partials, Out, L, batch_heads, seqlen_q, partial_rows, head_dim, splits,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """O and L of BLOCK_M rows from attn_fwd's `splits` partials (O_s, lse_s), partial_rows a head each:
     lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: contiguous (Z * H, seqlen_q, head_dim).
     Grid: (tiles * Z * H,)."""
+    partial_l = Partials + splits.to(tl.int64) * batch_heads * partial_rows * BLOCK_D
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // num_tiles
@@ -309,13 +312,13 @@ def attn_fwd_combine(
     lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in range(splits):
         partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
-        lse_max = tl.maximum(lse_max, tl.load(PartialL + partial, mask=in_rows, other=0.0))
+        lse_max = tl.maximum(lse_max, tl.load(partial_l + partial, mask=in_rows, other=0.0))
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(splits):
         partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
-        weight = tl.math.exp2(tl.load(PartialL + partial, mask=in_rows, other=0.0) - lse_max)
-        o = tl.load(PartialO + partial[:, None] * BLOCK_D + cols[None, :], mask=in_rows[:, None], other=0.0)
+        weight = tl.math.exp2(tl.load(partial_l + partial, mask=in_rows, other=0.0) - lse_max)
+        o = tl.load(Partials + partial[:, None] * BLOCK_D + cols[None, :], mask=in_rows[:, None], other=0.0)
         acc += weight[:, None] * o
         total += weight
     out_rows = bh.to(tl.int64) * seqlen_q + rows

@@ -30,6 +30,7 @@ from flashattn_triton._configs import (
     backward_candidates,
     forward_candidates,
     smaller,
+    with_split_key_tiles,
 )
 from flashattn_triton._validation import check_inputs
 
@@ -260,6 +261,11 @@ def _size_class(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
@@ -428,13 +434,15 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         block_d = _block_d(head_dim)
         seqlen_q, seqlen_k, batch_heads = q.shape[-2], tensors[1].shape[-2], q.shape[:-2].numel()
         work = batch_heads * seqlen_q * seqlen_k * q.shape[-1]
+        table = forward_candidates if pass_name == "fwd" else backward_candidates
+        candidates = table(block_d, q.element_size(), _interpreted())
         small = work < SMALL_PROBLEM_WORK
-        if pass_name == "fwd":
-            candidates = forward_candidates(block_d, q.element_size(), _interpreted(), small)
-        else:
-            candidates = backward_candidates(block_d, q.element_size(), _interpreted())
-            if small:  # host-bound: no atomic dQ (see there)
-                candidates = [c for c in candidates if not c.atomic_dq] or candidates
+        seqlen_class, batch_heads_class = _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads)
+        if pass_name == "bwd" and small:  # host-bound: no atomic dQ (see there)
+            candidates = [c for c in candidates if not c.atomic_dq] or candidates
+        if pass_name == "fwd" and small and q.is_cuda:  # decided by the tuning key's size class
+            candidates = with_split_key_tiles(candidates, seqlen_class, seqlen_class, batch_heads_class,
+                                              _sm_count(q.device))  # fmt: skip
         hopper = not small and _hopper.supports(pass_name, q, tensors, head_dim)
         if hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the portable kernel,
             # and the tuner skips a Gluon build that another Triton version refuses
@@ -446,8 +454,8 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
                 "multiple of 128, contiguous inputs, on sm_90 with Gluon, above the small-problem size; "
                 f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
             )
-        tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision,
-                    _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads), hopper)  # fmt: skip
+        tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision, seqlen_class,
+                    batch_heads_class, hopper)  # fmt: skip
         host = _host_descriptors(q.device, work)
         as_is = all(_is_kernel_view(t, head_dim) for t in tensors)
         plan = _plans[key] = _Plan(scale, host, small, as_is, head_dim, block_d, precision, candidates,
@@ -565,21 +573,19 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
                                         is_causal, scale)  # fmt: skip
         split = c.kv_splits > 1
-        if split:  # float32 partials of whole query tiles, so that attn_fwd stores them unmasked
+        if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), one allocation
             rows = -(-seqlen_q // c.block_m) * c.block_m
-            partial_o = torch.empty((c.kv_splits, batch * heads, rows, block_d), dtype=torch.float32,
-                                    device=q.device)  # fmt: skip
-            partial_l = torch.empty(partial_o.shape[:-1], dtype=torch.float32, device=q.device)
+            partials = torch.empty(c.kv_splits * batch * heads * rows * (block_d + 1), dtype=torch.float32,
+                                   device=q.device)  # fmt: skip
         main = (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
                 _tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
-                None if split else _tiles(o4, c.block_m, block_d, host), lse,
-                partial_o if split else None, partial_l if split else None,
+                None if split else _tiles(o4, c.block_m, block_d, host), lse, partials if split else None,
                 batch, heads, seqlen_q, seqlen_k, head_dim, scale * kernels.LOG2E,
                 c.block_m, c.block_n, block_d, is_causal, plan.precision, split)  # fmt: skip
         if not split:
             return main
-        return (*main, (partial_o, partial_l, o4, lse, batch * heads, seqlen_q, rows, head_dim, c.kv_splits,
-                        COMBINE_ROWS, block_d))  # fmt: skip
+        return (*main, (partials, o4, lse, batch * heads, seqlen_q, rows, head_dim, c.kv_splits, COMBINE_ROWS,
+                        block_d))  # fmt: skip
 
     with _device_guard(q):
         _run(plan, launcher, args)
