@@ -1,4 +1,5 @@
-"""The Triton kernels: FlashAttention-2 forward, the backward's D = rowsum(dO * O), and the backward.
+"""The Triton kernels: FlashAttention-2 forward (and the combine of its split form), the backward's
+D = rowsum(dO * O), and the backward.
 
 Tiles move through tensor descriptors over (Z, H, T, d) views: on Hopper and later they are TMA
 copies, which hold no addresses in registers and zero-fill (or, for stores, clip) whatever lies
@@ -8,7 +9,9 @@ contiguous tensors, from which the kernels build device-side descriptors (older 
 lowers them to ordinary loads).
 
 One program works on one tile of one (z, h). The grids are one-dimensional with the tile index
-varying fastest, so the programs of one head run together and share its K and V through L2.
+varying fastest, so the programs of one head run together and share its K and V through L2. Where the
+query tiles are too few for the GPU, the forward splits each one's key tiles among programs (SPLIT_KV)
+and a second kernel, attn_fwd_combine, weighs their partial results.
 
 Scores live in the log2 domain: ``qk_scale = scale * log2(e)`` folds the softmax scale and the
 change of base into one multiply, so the exponentials are ``exp2``. L is stored as the natural-log
