@@ -88,3 +88,15 @@ def test_hopper_kernel_refused_where_it_does_not_apply():
         triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, 0.125, HOPPER_BACKWARD[0])
     with pytest.raises(ValueError, match="16-bit problems with head dim 64 or 128"):
         triton_impl.triton_forward(q, k, v, True, 0.125, HOPPER_FORWARD[0])
+
+
+def test_head_dims_below_64_count_as_64_toward_the_small_problem_size(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(triton_impl, "_plans", {})
+    assert triton_impl.problem_work(1, 32768, 32768, 32) == triton_impl.SMALL_PROBLEM_WORK
+    assert triton_impl.problem_work(2, 16384, 32768, 128) == 2 * triton_impl.SMALL_PROBLEM_WORK
+    small = {}
+    for seqlen in (16384, 32768):
+        q = torch.zeros(1, 1, seqlen, 32, dtype=torch.bfloat16)
+        small[seqlen] = triton_impl._plan("fwd", q, (q, q, q), True, None, None).small
+    assert small == {16384: True, 32768: False}

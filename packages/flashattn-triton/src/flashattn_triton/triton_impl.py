@@ -163,8 +163,8 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False
     return tuple(parts)
 
 
-# Problems below this much work (query-key pairs times head dim, B * H * Tq * Tk * d; T = 32768 at
-# B * H = 1 and d = 64) are host-bound or close to it: a call's Python and launches take about as long
+# Problems below this much work (problem_work: T = 32768 at B * H = 1 and d <= 64) are host-bound or
+# close to it: a call's Python and launches take about as long
 # as its kernels. Their kernels build their own tensor descriptors (a host-built one costs 15-40 us of
 # Python and a driver call, 4 per forward and 11 per backward: a forward+backward of the host-built
 # path took 0.6-0.7 ms of host time on an H100 machine, more than the ~0.5 ms of kernels at T = 16384,
@@ -174,11 +174,18 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False
 # kernel, saving the preprocess launch.
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 
+
+def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:
+    """Query-key pairs times the head dim, counted as at least 64: below it a kernel's time per pair stops
+    falling with d (the softmax's exponentials, each tile's fixed costs; at (1, 32768, 32) the large
+    problems' backward took 0.62 ms, the small problems' 0.99, PERF.md v22)."""
+    return batch_heads * seqlen_q * seqlen_k * max(head_dim, 64)
+
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
 
 
 def _host_descriptors(device: torch.device, work: int) -> bool:
-    """Whether the host builds the tensor descriptors of a problem of `work` (pairs times head dim):
+    """Whether the host builds the tensor descriptors of a problem of `work` (problem_work):
     on Hopper and later for large problems, and for the interpreter. Otherwise the kernels get
     pointers to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
     if device.type != "cuda":
@@ -433,7 +440,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         head_dim = _padded_head_dim(q.shape[-1], q.element_size())
         block_d = _block_d(head_dim)
         seqlen_q, seqlen_k, batch_heads = q.shape[-2], tensors[1].shape[-2], q.shape[:-2].numel()
-        work = batch_heads * seqlen_q * seqlen_k * q.shape[-1]
+        work = problem_work(batch_heads, seqlen_q, seqlen_k, q.shape[-1])
         table = forward_candidates if pass_name == "fwd" else backward_candidates
         candidates = table(block_d, q.element_size(), _interpreted())
         small = work < SMALL_PROBLEM_WORK
