@@ -58,7 +58,7 @@ def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: tor
     listed = table(_block_d(head_dim), size, False)
     small = triton_impl.problem_work(batch_heads, seq, seq, head_dim) < triton_impl.SMALL_PROBLEM_WORK
     if which == "fwd" and small:
-        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+        sm_count = triton_impl._sm_count(torch.device("cuda", 0))
         listed = with_split_key_tiles(listed, seq, seq, batch_heads, sm_count)
     if size == 2 and head_dim in _hopper.HEAD_DIMS[which] and _hopper.available():
         listed = listed + (HOPPER_FORWARD if which == "fwd" else HOPPER_BACKWARD)

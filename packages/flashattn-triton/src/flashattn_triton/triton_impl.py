@@ -278,13 +278,13 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
     """The numbers of a config joined by '/', then its flags and its kv_splits beyond 1 by name."""
-    named = ("hopper", "transposed_grads", "split", "kv_splits")
-    fields = [x for name, x in dataclasses.asdict(config).items() if name not in named and x is not None]
-    flags = [name for name in named[:-1] if getattr(config, name, False)]
+    flags = ("hopper", "transposed_grads", "split")
+    numbers = [x for name, x in dataclasses.asdict(config).items()
+               if name not in (*flags, "kv_splits") and x is not None]  # fmt: skip
+    named = [name for name in flags if getattr(config, name, False)]
     splits = getattr(config, "kv_splits", 1)
-    if splits > 1:
-        flags.append(f"kv_splits={splits}")
-    return " ".join(["/".join(str(int(x)) for x in fields), *flags])
+    named += [f"kv_splits={splits}"] * (splits > 1)
+    return " ".join(["/".join(str(int(x)) for x in numbers), *named])
 
 
 class _Launcher:
