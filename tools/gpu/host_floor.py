@@ -16,9 +16,8 @@ Then the GPU time of a large problem's forward+backward, kernel by kernel (torch
 import sys
 
 import torch
-from host_timing import host_us
+from host_timing import cell_us, host_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
 from flashattn_triton import FlashAttentionTriton
 
@@ -57,10 +56,6 @@ def only(backend: SDPBackend) -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(backend == SDPBackend.EFFICIENT_ATTENTION)
     torch.backends.cuda.enable_math_sdp(False)
-
-
-def cell_us(fn) -> float:
-    return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
 def small_problems() -> None:

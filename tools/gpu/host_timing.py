@@ -1,4 +1,5 @@
-"""Host time of a call, shared by the tools/gpu scripts (each runs as `python3 tools/gpu/NAME.py`)."""
+"""Host time of a call and a benchmark cell, shared by the tools/gpu scripts (each runs as
+`python3 tools/gpu/NAME.py`)."""
 
 import time
 
@@ -16,3 +17,10 @@ def host_us(fn, calls: int = 300, warmup: int = 30) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def cell_us(fn) -> float:
+    """Microseconds a call as benchmarks.flash times a cell: do_bench's median, its L2 flush in front."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3

@@ -10,18 +10,13 @@ import cProfile
 import pstats
 
 import torch
-from host_timing import host_us
-from triton.testing import do_bench
+from host_timing import cell_us, host_us
 
 from flashattn_triton import FlashAttentionTriton, _configs, triton_impl
 
 SHAPES = [(1024, 64, torch.bfloat16), (4096, 64, torch.bfloat16), (4096, 128, torch.bfloat16),
           (16384, 64, torch.bfloat16), (4096, 64, torch.float32)]  # fmt: skip
 SPLITS = _configs.KV_SPLITS
-
-
-def cell_us(fn) -> float:
-    return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
 def fresh(splits: tuple) -> None:

@@ -8,16 +8,12 @@ flush, us), with the configs the tuner chose, two rounds.
 import sys
 
 import torch
-from triton.testing import do_bench
+from host_timing import cell_us
 
 from flashattn_triton import FlashAttentionTriton, triton_impl
 
 SHAPES = "1x32768x32,1x32768x16,1x16384x32,1x16384x16,1x16384x64,2x16384x32,4x8192x32"
 DEFAULT = triton_impl.SMALL_PROBLEM_WORK
-
-
-def cell_us(fn) -> float:
-    return do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
 def main() -> None:

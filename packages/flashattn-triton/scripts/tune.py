@@ -56,8 +56,7 @@ def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: tor
     size = torch.empty((), dtype=dtype).element_size()
     table = forward_candidates if which == "fwd" else backward_candidates
     listed = table(_block_d(head_dim), size, False)
-    small = triton_impl.problem_work(batch_heads, seq, seq, head_dim) < triton_impl.SMALL_PROBLEM_WORK
-    if which == "fwd" and small:
+    if which == "fwd" and triton_impl.is_small_problem(batch_heads, seq, seq, head_dim):
         sm_count = triton_impl._sm_count(torch.device("cuda", 0))
         listed = with_split_key_tiles(listed, seq, seq, batch_heads, sm_count)
     if size == 2 and head_dim in _hopper.HEAD_DIMS[which] and _hopper.available():
@@ -151,7 +150,7 @@ def main() -> None:
     shapes += [(*map(int, s.split("x")), "float32") for s in args.fp32_shapes.split(",") if s]
 
     def compile_key(which: str, config, bh: int, seq: int, d: int, dtype: str) -> tuple:
-        large = triton_impl.problem_work(bh, seq, seq, d) >= triton_impl.SMALL_PROBLEM_WORK
+        large = not triton_impl.is_small_problem(bh, seq, seq, d)
         return which, config, 1 if bh == 1 else 16, d, dtype, large
 
     def runs(key: tuple) -> bool:  # the Gluon kernels take large problems only, split key tiles small ones

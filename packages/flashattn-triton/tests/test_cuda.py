@@ -419,7 +419,7 @@ def test_scratch_memory_is_kept_per_stream(monkeypatch):
 def test_device_side_descriptors(problem, monkeypatch, dtype):
     """The path of GPUs older than Hopper, here on Hopper: the kernels build their descriptors (TMA in
     scratch memory from triton.set_allocator) from pointers to contiguous copies."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, work: False)
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, small: False)
     p = problem((2, 2), 300, 200, 64, dtype, True, device="cuda", layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)

@@ -181,16 +181,22 @@ def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) 
     problems' backward took 0.62 ms, the small problems' 0.99, PERF.md v22)."""
     return batch_heads * seqlen_q * seqlen_k * max(head_dim, 64)
 
+
+def is_small_problem(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> bool:
+    """Whether a problem takes the small-problem path (its problem_work below SMALL_PROBLEM_WORK)."""
+    return problem_work(batch_heads, seqlen_q, seqlen_k, head_dim) < SMALL_PROBLEM_WORK
+
+
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
 
 
-def _host_descriptors(device: torch.device, work: int) -> bool:
-    """Whether the host builds the tensor descriptors of a problem of `work` (problem_work):
+def _host_descriptors(device: torch.device, small: bool) -> bool:
+    """Whether the host builds the tensor descriptors of a problem (small: is_small_problem's answer):
     on Hopper and later for large problems, and for the interpreter. Otherwise the kernels get
     pointers to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
     if device.type != "cuda":
         return True
-    return work >= SMALL_PROBLEM_WORK and torch.cuda.get_device_capability(device)[0] >= 9
+    return not small and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _is_kernel_view(x: torch.Tensor, head_dim: int) -> bool:
@@ -440,10 +446,9 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         head_dim = _padded_head_dim(q.shape[-1], q.element_size())
         block_d = _block_d(head_dim)
         seqlen_q, seqlen_k, batch_heads = q.shape[-2], tensors[1].shape[-2], q.shape[:-2].numel()
-        work = problem_work(batch_heads, seqlen_q, seqlen_k, q.shape[-1])
         table = forward_candidates if pass_name == "fwd" else backward_candidates
         candidates = table(block_d, q.element_size(), _interpreted())
-        small = work < SMALL_PROBLEM_WORK
+        small = is_small_problem(batch_heads, seqlen_q, seqlen_k, q.shape[-1])
         seqlen_class, batch_heads_class = _size_class(max(seqlen_q, seqlen_k)), _size_class(batch_heads)
         if pass_name == "bwd" and small:  # host-bound: no atomic dQ (see there)
             candidates = [c for c in candidates if not c.atomic_dq] or candidates
@@ -463,7 +468,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             )
         tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision, seqlen_class,
                     batch_heads_class, hopper)  # fmt: skip
-        host = _host_descriptors(q.device, work)
+        host = _host_descriptors(q.device, small)
         as_is = all(_is_kernel_view(t, head_dim) for t in tensors)
         plan = _plans[key] = _Plan(scale, host, small, as_is, head_dim, block_d, precision, candidates,
                                    tune_key, config)  # fmt: skip
