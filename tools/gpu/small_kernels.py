@@ -6,6 +6,11 @@ kernel's end (span, which adds the GPU's idle time among the kernels), and each 
 
     PYTHONPATH=packages/flashattn-triton/src:tools/gpu python3 tools/gpu/small_kernels.py \
         [--seq 1024,2048] [--dims 16,64] [--passes fwd,bwd] [--extra fwd:128/128/8/3,...]
+        [--host-descriptors] [--splits 2,4,8,16 --split-min-key-tiles 1]
+
+--host-descriptors has the host build every tensor descriptor (as for large problems); --splits and
+--split-min-key-tiles change which split key tiles the forward's candidates offer (_configs.KV_SPLITS,
+SPLIT_MIN_KEY_TILES). An empty Triton kernel on 16 programs is timed first, for the launch's own length.
 """
 
 import argparse
@@ -15,11 +20,12 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from flashattn_triton import triton_impl
+from flashattn_triton import _configs, triton_impl
 from flashattn_triton.triton_impl import _describe, triton_backward, triton_forward
 
 sys.path.insert(0, "packages/flashattn-triton/scripts")
@@ -71,6 +77,11 @@ def report(label: str, fn) -> None:
           f"span {warm[1]:7.1f} | {kernels}", flush=True)  # fmt: skip
 
 
+@triton.jit
+def empty_kernel(X):
+    pass
+
+
 def compare(which: str, seq: int, head_dim: int, extra: dict, only_tuned: bool) -> None:
     """Every implementation of one pass on one problem (B·H = 1, bf16, causal)."""
     dtype = torch.bfloat16
@@ -112,8 +123,20 @@ def main() -> None:
     parser.add_argument("--passes", default="fwd,bwd")
     parser.add_argument("--extra", default="", help="more configs, as scripts/tune.py --extra")
     parser.add_argument("--only-tuned", action="store_true", help="ours: the tuner's choice only")
+    parser.add_argument("--host-descriptors", action="store_true")
+    parser.add_argument("--splits", help="_configs.KV_SPLITS, e.g. 2,4,8,16")
+    parser.add_argument("--split-min-key-tiles", type=int, help="_configs.SPLIT_MIN_KEY_TILES")
     args = parser.parse_args()
     extra = parse_extra(args.extra)
+    if args.host_descriptors:
+        triton_impl._host_descriptors = lambda device, small: True
+    if args.splits:
+        _configs.KV_SPLITS = tuple(int(n) for n in args.splits.split(","))
+    if args.split_min_key_tiles is not None:
+        _configs.SPLIT_MIN_KEY_TILES = args.split_min_key_tiles
+    x = torch.empty(1, device="cuda")
+    print("== an empty kernel, 16 programs", flush=True)
+    report("empty", lambda: empty_kernel[(16,)](x))
     for seq in map(int, args.seq.split(",")):
         for head_dim in map(int, args.dims.split(",")):
             for which in args.passes.split(","):
