@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -196,7 +196,7 @@ def _host_descriptors(device: torch.device, small: bool) -> bool:
     pointers to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
     if device.type != "cuda":
         return True
-    return not small and torch.cuda.get_device_capability(device)[0] >= 9
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _is_kernel_view(x: torch.Tensor, head_dim: int) -> bool:
@@ -225,17 +225,33 @@ def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
     return x4 if addressable else x4.clone(memory_format=torch.contiguous_format)
 
 
-def _tiles(x4: torch.Tensor, rows: int, cols: int, host: bool) -> Any:
-    """A descriptor moving (rows, cols) tiles of x4, or x4 itself for the kernels to describe."""
-    if not host:
-        return x4
-    from triton.tools.tensor_descriptor import TensorDescriptor
+class _Tiles(NamedTuple):
+    """A descriptor moving (rows, cols) tiles of x4, for the host to build: as Triton's TensorDescriptor
+    on a launch through the JIT, or, launched directly, encoded once per address (_DescriptorCache)."""
 
-    strides = list(x4.stride())
-    for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
-        if x4.shape[i] == 1:
-            strides[i] = strides[i + 1] * x4.shape[i + 1]
-    return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, rows, cols])
+    x4: torch.Tensor
+    rows: int
+    cols: int
+
+    def descriptor(self) -> Any:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x4 = self.x4
+        strides = list(x4.stride())
+        for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
+            if x4.shape[i] == 1:
+                strides[i] = strides[i + 1] * x4.shape[i + 1]
+        return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, self.rows, self.cols])
+
+
+def _tiles(x4: torch.Tensor, rows: int, cols: int, host: bool) -> _Tiles | torch.Tensor:
+    """(rows, cols) tiles of x4 for the host to describe, or x4 itself for the kernels to describe."""
+    return _Tiles(x4, rows, cols) if host else x4
+
+
+def _descriptors(args: tuple) -> tuple:
+    """args with each _Tiles built as Triton's TensorDescriptor (for the JIT and its runner)."""
+    return tuple(a.descriptor() if type(a) is _Tiles else a for a in args)
 
 
 _scratch_buffers: dict[int | None, torch.Tensor] = {}
@@ -314,7 +330,7 @@ class _Launcher:
             self.compiled(*args)
             return
         _set_allocator()
-        compiled = self.kernel[self.grid](*args, **self.options)
+        compiled = self.kernel[self.grid](*_descriptors(args), **self.options)
         if hasattr(compiled, "function"):  # under the interpreter there is no compiled kernel to keep
             self.compiled = _direct_launch(compiled, self.grid)
 
@@ -335,23 +351,60 @@ def _launch_hooked() -> bool:
     return any(getattr(hook, "calls", hook is not None) for hook in hooks)
 
 
+class _DescriptorCache:
+    """The host-built tensor descriptors of one compiled kernel's launches, encoded as its C launcher
+    takes them (the CUtensorMap, then the shape and strides) and kept by (argument, address). A descriptor
+    follows from its tensor's address, shape, strides and dtype and the tile, and a _Launcher's plan and
+    config fix all but the address (see _Launcher), so a repeated address skips the TensorDescriptor and
+    its encoding (about 10 us of host time each, 4 a forward and 11 a backward)."""
+
+    MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
+
+    def __init__(self, metadata: list):
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        self.encode = make_tensordesc_arg
+        self.metadata = metadata  # per descriptor argument, in order: the kernel's TMA layout of it
+        self.encoded: dict[tuple[int, int], list] = {}
+
+    def __call__(self, index: int, position: int, tiles: _Tiles) -> list:
+        key = (position, tiles.x4.data_ptr())
+        encoded = self.encoded.get(key)
+        if encoded is None:
+            if len(self.encoded) >= self.MAX_ENTRIES:
+                self.encoded.clear()
+            encoded = self.encoded[key] = self.encode(tiles.descriptor(), self.metadata[index])
+        return encoded
+
+
 def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., None]:
     """A launch of compiled `kernel` on `grid`: straight into Triton's C launch function, with tensors
-    passed as addresses, where this Triton's launcher is the one _launcher_abi_known checked and no
-    launch hook is set; else through the JIT's own runner. Triton's runner builds launch metadata and
-    calls its hook chains on every launch, asks the allocator for scratch memory through Python, and its C
-    launcher calls data_ptr() and cuPointerGetAttribute on every tensor: about half of a small problem's
-    host time a pass (PERF.md v16)."""
+    passed as addresses and host-built descriptors from a _DescriptorCache, where this Triton's launcher
+    is the one _launcher_abi_known checked and no launch hook is set; else through the JIT's own runner.
+    Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
+    for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
+    every tensor: about half of a small problem's host time a pass (PERF.md v16)."""
     runner = kernel[grid]
 
     def through_runner(*args: Any) -> None:
         _set_allocator()  # per call: Triton keeps it per thread, and autograd's backward has its own
-        runner(*args)
+        runner(*_descriptors(args))
 
     run = kernel.run
     if not _launcher_abi_known() or type(run).__name__ != "CudaLauncher" or run.profile_scratch_size:
         return through_runner
-    launch, function, metadata = run.launch, kernel.function, kernel.packed_metadata
+    # Triton wraps its C launch function to encode descriptor arguments on every call; take the function.
+    import inspect
+
+    wrapped = inspect.getclosurevars(run.launch).nonlocals if inspect.isfunction(run.launch) else {}
+    launch = wrapped.get("launcher", run.launch)
+    descriptor_args = sorted(wrapped.get("tensordesc_indices", ()))
+    metadata = wrapped.get("tensordesc_meta") or [None] * len(descriptor_args)
+    if None in metadata:  # not lowered to TMA: Triton's wrapper passes those as pointers, shapes, strides
+        return through_runner
+    cache = _DescriptorCache(metadata)
+    descriptor_index = {position: index for index, position in enumerate(descriptor_args)}
+    function, packed_metadata = kernel.function, kernel.packed_metadata
     flags = (run.launch_cooperative_grid, run.launch_pdl)
     scratch_bytes = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
     alignment, device = run.global_scratch_align, torch.cuda.current_device()
@@ -363,8 +416,15 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
             return
         stream = raw_stream(device)
         scratch = _scratch(scratch_bytes, alignment, stream).data_ptr() if scratch_bytes else None
-        launch(*grid, stream, function, *flags, scratch, None, metadata, None, None, None,
-               *[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])  # fmt: skip
+        flat = []
+        for position, a in enumerate(args):
+            if type(a) is _Tiles:
+                flat += cache(descriptor_index[position], position, a)
+            elif position in descriptor_index:  # a descriptor built by the caller (the Gluon kernels')
+                flat += cache.encode(a, metadata[descriptor_index[position]])
+            else:
+                flat.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+        launch(*grid, stream, function, *flags, scratch, None, packed_metadata, None, None, None, *flat)
 
     return direct
 
