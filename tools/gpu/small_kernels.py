@@ -6,11 +6,12 @@ kernel's end (span, which adds the GPU's idle time among the kernels), and each 
 
     PYTHONPATH=packages/flashattn-triton/src:tools/gpu python3 tools/gpu/small_kernels.py \
         [--seq 1024,2048] [--dims 16,64] [--passes fwd,bwd] [--extra fwd:128/128/8/3,...]
-        [--host-descriptors] [--splits 2,4,8,16 --split-min-key-tiles 1]
+        [--kernel-built-descriptors] [--splits 2,4,8,16 --split-min-key-tiles 1]
 
---host-descriptors has the host build every tensor descriptor (as for large problems); --splits and
---split-min-key-tiles change which split key tiles the forward's candidates offer (_configs.KV_SPLITS,
-SPLIT_MIN_KEY_TILES). An empty Triton kernel on 16 programs is timed first, for the launch's own length.
+--kernel-built-descriptors has the kernels build their tensor descriptors (as on GPUs before Hopper);
+--splits and --split-min-key-tiles change which split key tiles the forward's candidates offer
+(_configs.KV_SPLITS, SPLIT_MIN_KEY_TILES). An empty Triton kernel on 16 programs is timed first, for the
+launch's own length.
 """
 
 import argparse
@@ -123,13 +124,13 @@ def main() -> None:
     parser.add_argument("--passes", default="fwd,bwd")
     parser.add_argument("--extra", default="", help="more configs, as scripts/tune.py --extra")
     parser.add_argument("--only-tuned", action="store_true", help="ours: the tuner's choice only")
-    parser.add_argument("--host-descriptors", action="store_true")
+    parser.add_argument("--kernel-built-descriptors", action="store_true")
     parser.add_argument("--splits", help="_configs.KV_SPLITS, e.g. 2,4,8,16")
     parser.add_argument("--split-min-key-tiles", type=int, help="_configs.SPLIT_MIN_KEY_TILES")
     args = parser.parse_args()
     extra = parse_extra(args.extra)
-    if args.host_descriptors:
-        triton_impl._host_descriptors = lambda device, small: True
+    if args.kernel_built_descriptors:
+        triton_impl._host_descriptors = lambda device: False
     if args.splits:
         _configs.KV_SPLITS = tuple(int(n) for n in args.splits.split(","))
     if args.split_min_key_tiles is not None:

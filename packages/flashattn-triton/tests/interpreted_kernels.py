@@ -179,7 +179,7 @@ def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(pr
 
 def test_device_side_descriptors(problem, monkeypatch):
     """The path of GPUs older than Hopper: the kernels build their descriptors from pointers."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, small: False)
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
     p = problem((2, 2), 40, 27, 24, torch.float32, True, layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)

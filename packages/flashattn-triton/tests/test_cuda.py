@@ -64,11 +64,14 @@ def poison_allocator() -> None:
     del block
 
 
-@pytest.mark.parametrize("descriptors", ["kernel-built", "host-built"])
+@pytest.mark.parametrize("path", ["small", "small-kernel-built", "large"])
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
-def test_triton_matches_float64_reference(problem, case, descriptors, monkeypatch):
-    """Every case both ways: these small problems get kernel-built descriptors unless forced."""
-    if descriptors == "host-built":
+def test_triton_matches_float64_reference(problem, case, path, monkeypatch):
+    """Every case on the small-problem path (as these are), with descriptors from the host and, as on GPUs
+    before Hopper, from the kernels; and on the large-problem path."""
+    if path == "small-kernel-built":
+        monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+    if path == "large":
         monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
     dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
@@ -406,7 +409,7 @@ def test_tf32_parts_on_the_gpu(transposed, assert_tf32_parts):
 
 def test_scratch_memory_is_kept_per_stream(monkeypatch):
     """Kernel-built descriptors' scratch: one buffer a stream, reused while it is big enough."""
-    monkeypatch.setattr(triton_impl, "_scratch_buffers", {})
+    monkeypatch.setattr(triton_impl, "_stream_buffers", {})
     first = triton_impl._scratch(1024, 128, 1)
     assert triton_impl._scratch(512, 128, 1) is first
     grown = triton_impl._scratch(4096, 128, 1)
@@ -419,7 +422,7 @@ def test_scratch_memory_is_kept_per_stream(monkeypatch):
 def test_device_side_descriptors(problem, monkeypatch, dtype):
     """The path of GPUs older than Hopper, here on Hopper: the kernels build their descriptors (TMA in
     scratch memory from triton.set_allocator) from pointers to contiguous copies."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device, small: False)
+    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
     p = problem((2, 2), 300, 200, 64, dtype, True, device="cuda", layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)

@@ -3,4 +3,4 @@ instead of on the host, in every Python process that has this folder on PYTHONPA
 
 import flashattn_triton.triton_impl as _triton_impl
 
-_triton_impl._host_descriptors = lambda device, small: False
+_triton_impl._host_descriptors = lambda device: False

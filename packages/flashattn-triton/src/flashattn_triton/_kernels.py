@@ -298,13 +298,14 @@ def attn_fwd(
 
 @triton.jit
 def attn_fwd_combine(
-    Partials, Out, L, batch_heads, seqlen_q, partial_rows, head_dim, splits,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    Partials, Out, L, batch_heads, seqlen_q, partial_rows, head_dim,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """O and L of BLOCK_M rows from attn_fwd's `splits` partials (O_s, lse_s), partial_rows a head each:
+    """O and L of BLOCK_M rows from attn_fwd's SPLITS partials (O_s, lse_s), partial_rows a head each:
     lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: contiguous (Z * H, seqlen_q, head_dim).
-    Grid: (tiles * Z * H,)."""
-    partial_l = Partials + splits.to(tl.int64) * batch_heads * partial_rows * BLOCK_D
+    Grid: (tiles * Z * H,). The loops over the splits unroll, so that every split's loads are in flight at
+    once: the kernel is one memory round trip long, not one a split."""
+    partial_l = Partials + SPLITS * batch_heads.to(tl.int64) * partial_rows * BLOCK_D
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // num_tiles
@@ -313,12 +314,12 @@ def attn_fwd_combine(
     in_rows = rows < seqlen_q
     # The largest lse_s of each row first: finite, since the last split saw at least one key.
     lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(splits):
+    for s in tl.static_range(SPLITS):
         partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
         lse_max = tl.maximum(lse_max, tl.load(partial_l + partial, mask=in_rows, other=0.0))
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(splits):
+    for s in tl.static_range(SPLITS):
         partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
         weight = tl.math.exp2(tl.load(partial_l + partial, mask=in_rows, other=0.0) - lse_max)
         o = tl.load(Partials + partial[:, None] * BLOCK_D + cols[None, :], mask=in_rows[:, None], other=0.0)

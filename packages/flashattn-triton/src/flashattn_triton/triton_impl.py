@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -164,14 +165,10 @@ def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False
 
 
 # Problems below this much work (problem_work: T = 32768 at B * H = 1 and d <= 64) are host-bound or
-# close to it: a call's Python and launches take about as long
-# as its kernels. Their kernels build their own tensor descriptors (a host-built one costs 15-40 us of
-# Python and a driver call, 4 per forward and 11 per backward: a forward+backward of the host-built
-# path took 0.6-0.7 ms of host time on an H100 machine, more than the ~0.5 ms of kernels at T = 16384,
-# B * H = 1, d = 64) and their backward adds dQ up without atomics (whose float32 sum costs two more
-# tensor ops). Above it the host builds the descriptors, which spares every program a descriptor write
-# and fence (1-5% of a large problem, PERF.md run 4). Their backward computes D = rowsum(dO * O) in its
-# kernel, saving the preprocess launch.
+# close to it: a call's Python and launches take about as long as its kernels. Their backward adds dQ up
+# without atomics (whose float32 sum costs two more tensor ops) and computes D = rowsum(dO * O) in its
+# kernel, saving the preprocess launch; their forward may split its key tiles among programs; the Gluon
+# kernels, tuned for throughput, are left to larger problems.
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 
 
@@ -190,10 +187,12 @@ def is_small_problem(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: i
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
 
 
-def _host_descriptors(device: torch.device, small: bool) -> bool:
-    """Whether the host builds the tensor descriptors of a problem (small: is_small_problem's answer):
-    on Hopper and later for large problems, and for the interpreter. Otherwise the kernels get
-    pointers to contiguous tensors and build them (on GPUs before Hopper, as ordinary loads)."""
+def _host_descriptors(device: torch.device) -> bool:
+    """Whether the host builds the tensor descriptors: on Hopper and later, and for the interpreter.
+    Otherwise the kernels get pointers to contiguous tensors and build them (on GPUs before Hopper, as
+    ordinary loads). A kernel-built descriptor costs every program a write and a fence: about 4 us of a
+    forward on an H100 and 14 us of a backward (PERF.md v23), while the host encodes its own once per
+    address (_LaunchArgs)."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -227,7 +226,7 @@ def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
 
 class _Tiles(NamedTuple):
     """A descriptor moving (rows, cols) tiles of x4, for the host to build: as Triton's TensorDescriptor
-    on a launch through the JIT, or, launched directly, encoded once per address (_DescriptorCache)."""
+    on a launch through the JIT, or, launched directly, encoded once per address (_LaunchArgs)."""
 
     x4: torch.Tensor
     rows: int
@@ -254,16 +253,29 @@ def _descriptors(args: tuple) -> tuple:
     return tuple(a.descriptor() if type(a) is _Tiles else a for a in args)
 
 
-_scratch_buffers: dict[int | None, torch.Tensor] = {}
+_stream_buffers: dict[tuple[str, torch.device, int | None], torch.Tensor] = {}
+
+
+def _stream_buffer(use: str, numel: int, dtype: torch.dtype, device: torch.device,
+                   stream: int | None) -> torch.Tensor:  # fmt: skip
+    """A buffer kept per (use, device, stream) and grown as needed, for memory that one launch writes and
+    the next reads: an allocation a launch is host time. Sharing it is safe because the launches of one
+    stream run one after another."""
+    key = (use, device, stream)
+    buffer = _stream_buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _stream_buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer
+
+
+def _current_stream(device: torch.device) -> int | None:
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Scratch memory of one launch: a buffer kept per stream and grown as needed (an allocation a launch
-    is host time). Sharing it is safe because the launches of one stream run one after another."""
-    buffer = _scratch_buffers.get(stream)
-    if buffer is None or buffer.numel() < size:
-        buffer = _scratch_buffers[stream] = torch.empty(size, dtype=torch.int8, device="cuda")
-    return buffer
+    """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return _stream_buffer("scratch", size, torch.int8, device, stream)
 
 
 def _set_allocator() -> None:
@@ -351,35 +363,50 @@ def _launch_hooked() -> bool:
     return any(getattr(hook, "calls", hook is not None) for hook in hooks)
 
 
-class _DescriptorCache:
-    """The host-built tensor descriptors of one compiled kernel's launches, encoded as its C launcher
-    takes them (the CUtensorMap, then the shape and strides) and kept by (argument, address). A descriptor
-    follows from its tensor's address, shape, strides and dtype and the tile, and a _Launcher's plan and
-    config fix all but the address (see _Launcher), so a repeated address skips the TensorDescriptor and
-    its encoding (about 10 us of host time each, 4 a forward and 11 a backward)."""
+class _LaunchArgs:
+    """The arguments of one compiled kernel's C launch function, kept by the call's arguments (tensors and
+    _Tiles by address): tensors as addresses, _Tiles as host-built descriptors, encoded as the launcher takes
+    them (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address,
+    shape, strides and dtype and the tile, and a _Launcher's plan and config fix all but the addresses (see
+    _Launcher), so repeated addresses skip the TensorDescriptors and their encoding (about 10 us of host
+    time each, 4 a forward and 11 a backward)."""
 
     MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
 
-    def __init__(self, metadata: list):
+    def __init__(self, descriptor_layouts: dict[int, Any]):
         from triton.backends.nvidia.driver import make_tensordesc_arg
 
         self.encode = make_tensordesc_arg
-        self.metadata = metadata  # per descriptor argument, in order: the kernel's TMA layout of it
-        self.encoded: dict[tuple[int, int], list] = {}
+        self.descriptor_layouts = descriptor_layouts  # argument position -> the kernel's TMA layout of it
+        self.expanded: dict[tuple, list] = {}
 
-    def __call__(self, index: int, position: int, tiles: _Tiles) -> list:
-        key = (position, tiles.x4.data_ptr())
-        encoded = self.encoded.get(key)
-        if encoded is None:
-            if len(self.encoded) >= self.MAX_ENTRIES:
-                self.encoded.clear()
-            encoded = self.encoded[key] = self.encode(tiles.descriptor(), self.metadata[index])
-        return encoded
+    def __call__(self, args: tuple) -> list:
+        key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a.x4.data_ptr() if type(a) is _Tiles
+                    else a for a in args)  # fmt: skip
+        try:
+            expanded = self.expanded.get(key)
+        except TypeError:  # holds a descriptor the caller built (the Gluon kernels'): encoded every call
+            return self.expand(args)
+        if expanded is None:
+            if len(self.expanded) >= self.MAX_ENTRIES:
+                self.expanded.clear()
+            expanded = self.expanded[key] = self.expand(args)
+        return expanded
+
+    def expand(self, args: tuple) -> list:
+        expanded = []
+        for position, a in enumerate(args):
+            layout = self.descriptor_layouts.get(position)
+            if layout is not None:
+                expanded += self.encode(a.descriptor() if type(a) is _Tiles else a, layout)
+            else:
+                expanded.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+        return expanded
 
 
 def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., None]:
     """A launch of compiled `kernel` on `grid`: straight into Triton's C launch function, with tensors
-    passed as addresses and host-built descriptors from a _DescriptorCache, where this Triton's launcher
+    passed as addresses and host-built descriptors encoded once (_LaunchArgs), where this Triton's launcher
     is the one _launcher_abi_known checked and no launch hook is set; else through the JIT's own runner.
     Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
     for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
@@ -394,16 +421,13 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
     if not _launcher_abi_known() or type(run).__name__ != "CudaLauncher" or run.profile_scratch_size:
         return through_runner
     # Triton wraps its C launch function to encode descriptor arguments on every call; take the function.
-    import inspect
-
     wrapped = inspect.getclosurevars(run.launch).nonlocals if inspect.isfunction(run.launch) else {}
     launch = wrapped.get("launcher", run.launch)
     descriptor_args = sorted(wrapped.get("tensordesc_indices", ()))
     metadata = wrapped.get("tensordesc_meta") or [None] * len(descriptor_args)
     if None in metadata:  # not lowered to TMA: Triton's wrapper passes those as pointers, shapes, strides
         return through_runner
-    cache = _DescriptorCache(metadata)
-    descriptor_index = {position: index for index, position in enumerate(descriptor_args)}
+    launch_args = _LaunchArgs(dict(zip(descriptor_args, metadata, strict=True)))
     function, packed_metadata = kernel.function, kernel.packed_metadata
     flags = (run.launch_cooperative_grid, run.launch_pdl)
     scratch_bytes = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
@@ -416,15 +440,8 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
             return
         stream = raw_stream(device)
         scratch = _scratch(scratch_bytes, alignment, stream).data_ptr() if scratch_bytes else None
-        flat = []
-        for position, a in enumerate(args):
-            if type(a) is _Tiles:
-                flat += cache(descriptor_index[position], position, a)
-            elif position in descriptor_index:  # a descriptor built by the caller (the Gluon kernels')
-                flat += cache.encode(a, metadata[descriptor_index[position]])
-            else:
-                flat.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
-        launch(*grid, stream, function, *flags, scratch, None, packed_metadata, None, None, None, *flat)
+        launch(*grid, stream, function, *flags, scratch, None, packed_metadata, None, None, None,
+               *launch_args(args))  # fmt: skip
 
     return direct
 
@@ -528,7 +545,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             )
         tune_key = (pass_name, q.device, block_d, q.dtype, is_causal, precision, seqlen_class,
                     batch_heads_class, hopper)  # fmt: skip
-        host = _host_descriptors(q.device, small)
+        host = _host_descriptors(q.device)
         as_is = all(_is_kernel_view(t, head_dim) for t in tensors)
         plan = _plans[key] = _Plan(scale, host, small, as_is, head_dim, block_d, precision, candidates,
                                    tune_key, config)  # fmt: skip
@@ -645,10 +662,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
                                         is_causal, scale)  # fmt: skip
         split = c.kv_splits > 1
-        if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), one allocation
+        if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), for the combine
             rows = -(-seqlen_q // c.block_m) * c.block_m
-            partials = torch.empty(c.kv_splits * batch * heads * rows * (block_d + 1), dtype=torch.float32,
-                                   device=q.device)  # fmt: skip
+            partials = _stream_buffer("partials", c.kv_splits * batch * heads * rows * (block_d + 1),
+                                      torch.float32, q.device, _current_stream(q.device))  # fmt: skip
         main = (_tiles(q_in, c.block_m, block_d, host), _tiles(k_in, c.block_n, block_d, host),
                 _tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
                 None if split else _tiles(o4, c.block_m, block_d, host), lse, partials if split else None,

@@ -1,0 +1,80 @@
+"""The direct launch's arguments on the CPU: host-built descriptors encoded once per address, buffers kept
+per stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashattn_triton import triton_impl
+
+pytest.importorskip("triton.backends.nvidia.driver")
+
+
+@pytest.fixture
+def launch_args(monkeypatch):
+    """_LaunchArgs for a kernel whose arguments 1 and 3 are descriptors, encoding them as a record of each
+    encoding: ["desc", address, rows, layout]."""
+    encoded = []
+
+    def encode(descriptor, layout):
+        encoded.append(descriptor.base.data_ptr())
+        return ["desc", descriptor.base.data_ptr(), descriptor.block_shape[2], layout]
+
+    args = triton_impl._LaunchArgs({1: "layout-1", 3: "layout-3"})
+    monkeypatch.setattr(args, "encode", encode)
+    return args, encoded
+
+
+def test_descriptors_are_encoded_once_per_address(launch_args):
+    args, encoded = launch_args
+    x, y, z = (torch.zeros(1, 1, 64, 16) for _ in range(3))
+    call = (x, triton_impl._Tiles(y, 32, 16), 7, triton_impl._Tiles(x, 64, 16), "tf32", None)
+    expected = [x.data_ptr(), "desc", y.data_ptr(), 32, "layout-1", 7,
+                "desc", x.data_ptr(), 64, "layout-3", "tf32", None]  # fmt: skip
+    assert args(call) == expected
+    assert args(call) == expected
+    assert encoded == [y.data_ptr(), x.data_ptr()]
+    moved = (x, triton_impl._Tiles(z, 32, 16), 7, triton_impl._Tiles(x, 64, 16), "tf32", None)
+    assert args(moved)[1:5] == ["desc", z.data_ptr(), 32, "layout-1"]
+    assert encoded == [y.data_ptr(), x.data_ptr(), z.data_ptr(), x.data_ptr()]
+    assert args((x, triton_impl._Tiles(y, 32, 16), 8, triton_impl._Tiles(x, 64, 16), "tf32", None))[5] == 8
+
+
+def test_descriptors_the_caller_built_are_encoded_every_call(launch_args):
+    args, encoded = launch_args
+    x = torch.zeros(1, 1, 64, 16)
+    built = triton_impl._Tiles(x, 32, 16).descriptor()  # unhashable, like the Gluon kernels' descriptors
+    for _ in range(2):
+        expanded = args((x, built, 1, triton_impl._Tiles(x, 64, 16)))
+        assert expanded[1:5] == ["desc", x.data_ptr(), 32, "layout-1"]
+    assert encoded == [x.data_ptr()] * 4  # both descriptors, both calls
+
+
+def test_the_cache_starts_over_when_full(launch_args, monkeypatch):
+    args, encoded = launch_args
+    monkeypatch.setattr(args, "MAX_ENTRIES", 2)
+    tensors = [torch.zeros(1, 1, 64, 16) for _ in range(3)]
+    for t in tensors:
+        args((t, triton_impl._Tiles(t, 32, 16), 0, triton_impl._Tiles(t, 64, 16)))
+    assert len(args.expanded) == 1
+
+
+def test_size_one_dims_get_valid_strides():
+    """A descriptor's strides must be 16-byte multiples even along dims of size 1, which are never stepped."""
+    x = torch.zeros(3, 1, 5, 8)[:1]  # shape (1, 1, 5, 8), strides (40, 40, 8, 1)
+    descriptor = triton_impl._Tiles(x, 16, 8).descriptor()
+    assert descriptor.strides == [40, 40, 8, 1] and descriptor.block_shape == [1, 1, 16, 8]
+
+
+def test_stream_buffers_are_kept_per_use_and_stream(monkeypatch):
+    monkeypatch.setattr(triton_impl, "_stream_buffers", {})
+    cpu = torch.device("cpu")
+    first = triton_impl._stream_buffer("partials", 100, torch.float32, cpu, 1)
+    assert first.dtype == torch.float32 and first.numel() >= 100
+    assert triton_impl._stream_buffer("partials", 50, torch.float32, cpu, 1) is first
+    assert triton_impl._stream_buffer("partials", 50, torch.float32, cpu, 2) is not first
+    assert triton_impl._stream_buffer("scratch", 50, torch.int8, cpu, 1) is not first
+    grown = triton_impl._stream_buffer("partials", 200, torch.float32, cpu, 1)
+    assert grown.numel() >= 200
+    assert triton_impl._stream_buffer("partials", 150, torch.float32, cpu, 1) is grown
