@@ -181,17 +181,29 @@ def test_every_candidate(problem, dtype, head_dim):
         p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
-def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch):
+@pytest.mark.parametrize("splits", [2, 3, 16])
+def test_split_key_tiles_on_one_head(problem, splits):
+    """The split forward at B·H = 1, where Triton specializes the head count as a constant."""
+    p = problem((1,), 1000, 1000, 64, torch.bfloat16, True, device="cuda")
+    config = ForwardConfig(64, 64, 4, 3, kv_splits=splits)
+    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 64**-0.5, config)
+    p.assert_close({"out": out, "lse": lse})
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a candidate that fails while tuning warns
+@pytest.mark.parametrize("lead", [(1, 3), (1, 1)], ids=["heads-3", "heads-1"])
+def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch, lead):
     monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
     monkeypatch.setattr(triton_impl, "_chosen", {})
-    p = problem((1, 3), 1000, 1000, 64, torch.bfloat16, True, device="cuda")
+    seqlen = 1000 if lead[1] > 1 else 4096  # one head: short of programs, so split key tiles are offered
+    p = problem(lead, seqlen, seqlen, 64, torch.bfloat16, True, device="cuda")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)
     out.backward(p.grad_out)
     p.check(out, q, k, v)
     chosen = {key[0]: config for key, config in triton_impl._chosen.items()}
     forward = _configs.forward_candidates(64, 2, False)
-    assert chosen["fwd"] in _configs.with_split_key_tiles(forward, 1024, 1024, 4, 1024)
+    assert chosen["fwd"] in _configs.with_split_key_tiles(forward, 1 << 20, 1 << 20, 1, 1 << 20)
     assert chosen["bwd"] in _configs.backward_candidates(64, 2, False)
 
 

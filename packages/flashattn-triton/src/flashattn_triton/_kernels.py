@@ -305,7 +305,8 @@ def attn_fwd_combine(
     lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: contiguous (Z * H, seqlen_q, head_dim).
     Grid: (tiles * Z * H,). The loops over the splits unroll, so that every split's loads are in flight at
     once: the kernel is one memory round trip long, not one a split."""
-    partial_l = Partials + SPLITS * batch_heads.to(tl.int64) * partial_rows * BLOCK_D
+    # (batch_heads and partial_rows may arrive as constexprs: Triton specializes integer arguments of 1)
+    partial_l = Partials + tl.full([], SPLITS, tl.int64) * batch_heads * partial_rows * BLOCK_D
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // num_tiles

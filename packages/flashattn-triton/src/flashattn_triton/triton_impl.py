@@ -13,6 +13,7 @@ import functools
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar
@@ -568,7 +569,10 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
             try:
                 times[candidate] = do_bench(lambda c=candidate: run(c), warmup=2, rep=10,
                                             return_mode="median")  # fmt: skip
-            except Exception:  # too big for this GPU, or a build this Triton refuses: not a candidate here
+            except Exception as exc:  # too big for this GPU, or a build this Triton refuses: not a candidate
+                if not isinstance(exc, _out_of_resources()):  # anything else is a bug to show, not to stop on
+                    warnings.warn(f"flashattn_triton: config {_describe(candidate)} failed while tuning, skipped: "
+                                  f"{type(exc).__name__}: {str(exc)[:300]}", RuntimeWarning, stacklevel=2)
                 continue
         if times:
             config = _chosen[key] = min(times, key=times.get)
