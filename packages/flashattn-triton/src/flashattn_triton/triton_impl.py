@@ -571,8 +571,9 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
                                             return_mode="median")  # fmt: skip
             except Exception as exc:  # too big for this GPU, or a build this Triton refuses: not a candidate
                 if not isinstance(exc, _out_of_resources()):  # anything else is a bug to show, not to stop on
-                    warnings.warn(f"flashattn_triton: config {_describe(candidate)} failed while tuning, skipped: "
-                                  f"{type(exc).__name__}: {str(exc)[:300]}", RuntimeWarning, stacklevel=2)
+                    message = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    warnings.warn(f"flashattn_triton: config {_describe(candidate)} failed while tuning, "
+                                  f"skipped: {message}", RuntimeWarning, stacklevel=2)  # fmt: skip
                 continue
         if times:
             config = _chosen[key] = min(times, key=times.get)
