@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from flashattn_triton import triton_impl
+from flashattn_triton._tiles import Tiles
 
 pytest.importorskip("triton.backends.nvidia.driver")
 
 
 @pytest.fixture
 def launch_args(monkeypatch):
-    """_LaunchArgs for a kernel whose arguments 1 and 3 are descriptors, encoding them as a record of each
-    encoding: ["desc", address, rows, layout]."""
+    """_LaunchArgs for a kernel whose arguments 1 and 3 are descriptors, encoding them as
+    ["desc", address, rows, layout] and keeping a record of the addresses encoded."""
     encoded = []
 
     def encode(descriptor, layout):
@@ -29,26 +30,33 @@ def launch_args(monkeypatch):
 def test_descriptors_are_encoded_once_per_address(launch_args):
     args, encoded = launch_args
     x, y, z = (torch.zeros(1, 1, 64, 16) for _ in range(3))
-    call = (x, triton_impl._Tiles(y, 32, 16), 7, triton_impl._Tiles(x, 64, 16), "tf32", None)
+    call = (x, triton_impl._tiles(y, 32, 16, True), 7, triton_impl._tiles(x, 64, 16, True), "tf32", None)
     expected = [x.data_ptr(), "desc", y.data_ptr(), 32, "layout-1", 7,
                 "desc", x.data_ptr(), 64, "layout-3", "tf32", None]  # fmt: skip
     assert args(call) == expected
     assert args(call) == expected
     assert encoded == [y.data_ptr(), x.data_ptr()]
-    moved = (x, triton_impl._Tiles(z, 32, 16), 7, triton_impl._Tiles(x, 64, 16), "tf32", None)
+    moved = (x, triton_impl._tiles(z, 32, 16, True), 7, triton_impl._tiles(x, 64, 16, True), "tf32", None)
     assert args(moved)[1:5] == ["desc", z.data_ptr(), 32, "layout-1"]
     assert encoded == [y.data_ptr(), x.data_ptr(), z.data_ptr(), x.data_ptr()]
-    assert args((x, triton_impl._Tiles(y, 32, 16), 8, triton_impl._Tiles(x, 64, 16), "tf32", None))[5] == 8
+    other_scalar = (*call[:2], 8, *call[3:])
+    assert args(other_scalar)[5] == 8
 
 
-def test_descriptors_the_caller_built_are_encoded_every_call(launch_args):
+def test_any_builder_of_descriptors_is_cached_by_address(launch_args):
+    """Tiles with a builder of their own (the Gluon kernels' 1-D and 2-D descriptors) cache alike."""
     args, encoded = launch_args
-    x = torch.zeros(1, 1, 64, 16)
-    built = triton_impl._Tiles(x, 32, 16).descriptor()  # unhashable, like the Gluon kernels' descriptors
+    x = torch.zeros(4, 16)
+    built = []
+
+    def build(tensor, block):
+        built.append(block)
+        return triton_impl._tensor_descriptor(tensor.view(1, 1, 4, 16), (1, 1) + block)
+
+    call = (x, Tiles(x, (2, 16), build), 1, Tiles(x, (4, 16), build))
     for _ in range(2):
-        expanded = args((x, built, 1, triton_impl._Tiles(x, 64, 16)))
-        assert expanded[1:5] == ["desc", x.data_ptr(), 32, "layout-1"]
-    assert encoded == [x.data_ptr()] * 4  # both descriptors, both calls
+        assert args(call)[1:5] == ["desc", x.data_ptr(), 2, "layout-1"]
+    assert built == [(2, 16), (4, 16)] and encoded == [x.data_ptr()] * 2
 
 
 def test_the_cache_starts_over_when_full(launch_args, monkeypatch):
@@ -56,14 +64,14 @@ def test_the_cache_starts_over_when_full(launch_args, monkeypatch):
     monkeypatch.setattr(args, "MAX_ENTRIES", 2)
     tensors = [torch.zeros(1, 1, 64, 16) for _ in range(3)]
     for t in tensors:
-        args((t, triton_impl._Tiles(t, 32, 16), 0, triton_impl._Tiles(t, 64, 16)))
+        args((t, triton_impl._tiles(t, 32, 16, True), 0, triton_impl._tiles(t, 64, 16, True)))
     assert len(args.expanded) == 1
 
 
 def test_size_one_dims_get_valid_strides():
     """A descriptor's strides must be 16-byte multiples even along dims of size 1, which are never stepped."""
     x = torch.zeros(3, 1, 5, 8)[:1]  # shape (1, 1, 5, 8), strides (40, 40, 8, 1)
-    descriptor = triton_impl._Tiles(x, 16, 8).descriptor()
+    descriptor = triton_impl._tiles(x, 16, 8, True).descriptor()
     assert descriptor.strides == [40, 40, 8, 1] and descriptor.block_shape == [1, 1, 16, 8]
 
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from flashattn_triton._tiles import Tiles
+
 # Head dims each kernel compiles for without spills (the backward at d = 128 spilled 352 bytes and lost
 # to the Triton kernel).
 HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64)}
@@ -70,10 +72,10 @@ def kernel(pass_name: str) -> Any:
     return kernels.attn_fwd if pass_name == "fwd" else kernels.attn_bwd
 
 
-def _rows(t: torch.Tensor, n: int) -> Any:
+def _rows(t: torch.Tensor, n: int) -> Tiles:
     """A descriptor over the (Z*H*T, d) view of a contiguous (Z, H, T, d) tensor, tiles of n rows."""
     head_dim = t.shape[-1]
-    return _gluon().tiles(t.view(-1, head_dim), [n, head_dim])
+    return Tiles(t.view(-1, head_dim), (n, head_dim), _gluon().tiles)
 
 
 def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -94,6 +96,6 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     kernels = _gluon()
     return (_rows(q, block_m), _rows(k, block_n), _rows(v, block_n), _rows(grad_out, block_m),
             _rows(dk, block_n), _rows(dv, block_n), _rows(dq_acc, block_m),
-            kernels.tiles(lse.view(-1), [block_m]), kernels.tiles(delta.view(-1), [block_m]), q.shape[2],
-            q.shape[0] * q.shape[1],
+            Tiles(lse.view(-1), (block_m,), kernels.tiles), Tiles(delta.view(-1), (block_m,), kernels.tiles),
+            q.shape[2], q.shape[0] * q.shape[1],
             scale * kernels.LOG2E, scale, is_causal, stages, LOADER_REGISTERS)  # fmt: skip

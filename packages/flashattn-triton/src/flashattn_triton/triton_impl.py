@@ -16,7 +16,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from flashattn_triton._configs import (
     smaller,
     with_split_key_tiles,
 )
+from flashattn_triton._tiles import Tiles
 from flashattn_triton._validation import check_inputs
 
 MAX_HEAD_DIM = 256
@@ -225,33 +226,25 @@ def _kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
     return x4 if addressable else x4.clone(memory_format=torch.contiguous_format)
 
 
-class _Tiles(NamedTuple):
-    """A descriptor moving (rows, cols) tiles of x4, for the host to build: as Triton's TensorDescriptor
-    on a launch through the JIT, or, launched directly, encoded once per address (_LaunchArgs)."""
+def _tensor_descriptor(x4: torch.Tensor, block: tuple[int, ...]) -> Any:
+    """Triton's TensorDescriptor over (Z, H, T, d) x4, moving `block` tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    x4: torch.Tensor
-    rows: int
-    cols: int
-
-    def descriptor(self) -> Any:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x4 = self.x4
-        strides = list(x4.stride())
-        for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
-            if x4.shape[i] == 1:
-                strides[i] = strides[i + 1] * x4.shape[i + 1]
-        return TensorDescriptor(x4, list(x4.shape), strides, [1, 1, self.rows, self.cols])
+    strides = list(x4.stride())
+    for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
+        if x4.shape[i] == 1:
+            strides[i] = strides[i + 1] * x4.shape[i + 1]
+    return TensorDescriptor(x4, list(x4.shape), strides, list(block))
 
 
-def _tiles(x4: torch.Tensor, rows: int, cols: int, host: bool) -> _Tiles | torch.Tensor:
+def _tiles(x4: torch.Tensor, rows: int, cols: int, host: bool) -> Tiles | torch.Tensor:
     """(rows, cols) tiles of x4 for the host to describe, or x4 itself for the kernels to describe."""
-    return _Tiles(x4, rows, cols) if host else x4
+    return Tiles(x4, (1, 1, rows, cols), _tensor_descriptor) if host else x4
 
 
 def _descriptors(args: tuple) -> tuple:
-    """args with each _Tiles built as Triton's TensorDescriptor (for the JIT and its runner)."""
-    return tuple(a.descriptor() if type(a) is _Tiles else a for a in args)
+    """args with each Tiles built as its descriptor (for the JIT and its runner)."""
+    return tuple(a.descriptor() if type(a) is Tiles else a for a in args)
 
 
 _stream_buffers: dict[tuple[str, torch.device, int | None], torch.Tensor] = {}
@@ -366,7 +359,7 @@ def _launch_hooked() -> bool:
 
 class _LaunchArgs:
     """The arguments of one compiled kernel's C launch function, kept by the call's arguments (tensors and
-    _Tiles by address): tensors as addresses, _Tiles as host-built descriptors, encoded as the launcher takes
+    Tiles by address): tensors as addresses, Tiles as host-built descriptors, encoded as the launcher takes
     them (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address,
     shape, strides and dtype and the tile, and a _Launcher's plan and config fix all but the addresses (see
     _Launcher), so repeated addresses skip the TensorDescriptors and their encoding (about 10 us of host
@@ -382,12 +375,9 @@ class _LaunchArgs:
         self.expanded: dict[tuple, list] = {}
 
     def __call__(self, args: tuple) -> list:
-        key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a.x4.data_ptr() if type(a) is _Tiles
+        key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a.tensor.data_ptr() if type(a) is Tiles
                     else a for a in args)  # fmt: skip
-        try:
-            expanded = self.expanded.get(key)
-        except TypeError:  # holds a descriptor the caller built (the Gluon kernels'): encoded every call
-            return self.expand(args)
+        expanded = self.expanded.get(key)
         if expanded is None:
             if len(self.expanded) >= self.MAX_ENTRIES:
                 self.expanded.clear()
@@ -399,7 +389,7 @@ class _LaunchArgs:
         for position, a in enumerate(args):
             layout = self.descriptor_layouts.get(position)
             if layout is not None:
-                expanded += self.encode(a.descriptor() if type(a) is _Tiles else a, layout)
+                expanded += self.encode(a.descriptor(), layout)
             else:
                 expanded.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
         return expanded
