@@ -358,12 +358,12 @@ def _launch_hooked() -> bool:
 
 
 class _LaunchArgs:
-    """The arguments of one compiled kernel's C launch function, kept by the call's arguments (tensors and
-    Tiles by address): tensors as addresses, Tiles as host-built descriptors, encoded as the launcher takes
-    them (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address,
-    shape, strides and dtype and the tile, and a _Launcher's plan and config fix all but the addresses (see
-    _Launcher), so repeated addresses skip the TensorDescriptors and their encoding (about 10 us of host
-    time each, 4 a forward and 11 a backward)."""
+    """The arguments of one compiled kernel's C launch function, kept by the addresses of the call's tensors
+    and Tiles: tensors as addresses, Tiles as host-built descriptors, encoded as the launcher takes them
+    (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address, shape,
+    strides and dtype and the tile, and a _Launcher's plan and config fix all else (every shape, stride and
+    scalar argument, see _Launcher), so repeated addresses skip the TensorDescriptors and their encoding
+    (about 10 us of host time each, 4 a forward and 11 a backward)."""
 
     MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
 
@@ -373,10 +373,14 @@ class _LaunchArgs:
         self.encode = make_tensordesc_arg
         self.descriptor_layouts = descriptor_layouts  # argument position -> the kernel's TMA layout of it
         self.expanded: dict[tuple, list] = {}
+        self.tensors: list[int] | None = None  # argument positions of the tensors, then of the Tiles
+        self.tiles: list[int] = []
 
     def __call__(self, args: tuple) -> list:
-        key = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a.tensor.data_ptr() if type(a) is Tiles
-                    else a for a in args)  # fmt: skip
+        if self.tensors is None:  # where the tensors and the Tiles are: the same in every call of a _Launcher
+            self.tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            self.tiles = [i for i, a in enumerate(args) if type(a) is Tiles]
+        key = (*[args[i].data_ptr() for i in self.tensors], *[args[i].tensor.data_ptr() for i in self.tiles])
         expanded = self.expanded.get(key)
         if expanded is None:
             if len(self.expanded) >= self.MAX_ENTRIES:
