@@ -373,14 +373,16 @@ class _LaunchArgs:
         self.encode = make_tensordesc_arg
         self.descriptor_layouts = descriptor_layouts  # argument position -> the kernel's TMA layout of it
         self.expanded: dict[tuple, list] = {}
-        self.tensors: list[int] | None = None  # argument positions of the tensors, then of the Tiles
-        self.tiles: list[int] = []
+        # Argument positions of the tensors and of the Tiles, found on the first call: the same in every call
+        # of a _Launcher.
+        self.positions: tuple[list[int], list[int]] | None = None
 
     def __call__(self, args: tuple) -> list:
-        if self.tensors is None:  # where the tensors and the Tiles are: the same in every call of a _Launcher
-            self.tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-            self.tiles = [i for i, a in enumerate(args) if type(a) is Tiles]
-        key = (*[args[i].data_ptr() for i in self.tensors], *[args[i].tensor.data_ptr() for i in self.tiles])
+        if self.positions is None:
+            self.positions = ([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)],
+                              [i for i, a in enumerate(args) if type(a) is Tiles])  # fmt: skip
+        tensors, tiles = self.positions
+        key = (*[args[i].data_ptr() for i in tensors], *[args[i].tensor.data_ptr() for i in tiles])
         expanded = self.expanded.get(key)
         if expanded is None:
             if len(self.expanded) >= self.MAX_ENTRIES:
