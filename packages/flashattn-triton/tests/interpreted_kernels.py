@@ -151,7 +151,24 @@ def test_backward_computes_d_in_its_kernel_for_small_problems(problem, monkeypat
         torch.set_float32_matmul_precision(previous)
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
     (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
-    assert (plan.preprocess is None) == small
+    assert (not plan.preprocess) == small
+
+
+@pytest.mark.parametrize("clears", [True, False], ids=["clears-dq-sum", "d-only"])
+def test_preprocess_makes_d_and_clears_the_atomic_dq_sum(clears):
+    """attn_bwd_preprocess: D = rowsum(dO * O) of every row, and the float32 dQ sum of the atomic backward
+    (padded past seqlen_q to whole tiles) zeroed everywhere, its rows past seqlen_q included."""
+    batch, heads, seqlen, head_dim, block_d, rows, acc_rows = 2, 3, 70, 24, 32, 16, 128
+    out, grad_out = (torch.randn(batch, heads, seqlen, head_dim) for _ in range(2))
+    delta = torch.full((batch, heads, seqlen), float("nan"))
+    dq_acc = torch.full((batch, heads, acc_rows, block_d), float("nan")) if clears else None
+    kernels = triton_impl._kernels()
+    kernels.attn_bwd_preprocess[(batch * heads, acc_rows // rows)](
+        out, grad_out, delta, dq_acc, *out.stride()[:3], *grad_out.stride()[:3], heads, seqlen, head_dim,
+        acc_rows, block_d, rows)  # fmt: skip
+    torch.testing.assert_close(delta, (out * grad_out).sum(-1))
+    if clears:
+        assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
 
 
 def test_launchers_take_inputs_that_require_grad(problem):

@@ -84,3 +84,26 @@ def test_stream_buffers_are_kept_per_use_and_stream(monkeypatch):
     grown = triton_impl._stream_buffer("partials", 200, torch.float32, cpu, 1)
     assert grown.numel() >= 200
     assert triton_impl._stream_buffer("partials", 150, torch.float32, cpu, 1) is grown
+
+
+def test_launch_hooks_are_seen_however_they_are_set(monkeypatch):
+    """A profiler's launch hook sends direct launches back through Triton's runner, which calls it: hooks
+    added to Triton's HookChains, and hooks set as plain functions in their place."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    assert not triton_impl._launch_hooked()
+
+    def hook(metadata):
+        return None
+
+    runtime.launch_exit_hook.add(hook)
+    try:
+        assert triton_impl._launch_hooked()
+    finally:
+        runtime.launch_exit_hook.remove(hook)
+    assert not triton_impl._launch_hooked()
+    monkeypatch.setattr(runtime, "launch_enter_hook", hook)
+    assert triton_impl._launch_hooked()
+    monkeypatch.setattr(runtime, "launch_enter_hook", None)
+    assert not triton_impl._launch_hooked()

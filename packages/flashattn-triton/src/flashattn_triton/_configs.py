@@ -116,10 +116,10 @@ def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list
 
 # Key tiles split among programs (ForwardConfig.kv_splits) are tried where one program a query tile leaves
 # the GPU short of work: fewer programs than two an SM, and a longest chain of at least SPLIT_MIN_KEY_TILES
-# key tiles (with shorter ones a split saved less GPU time than its second launch and allocation cost the
-# host, PERF.md v21).
+# key tiles (with shorter ones the combine took what the split saved, PERF.md v21, v25). The tuner then
+# times each candidate split and unsplit.
 KV_SPLITS = (2, 4, 8)
-SPLIT_MIN_KEY_TILES = 32
+SPLIT_MIN_KEY_TILES = 16
 
 
 def with_split_key_tiles(candidates: list[ForwardConfig], seqlen_q: int, seqlen_k: int, batch_heads: int,

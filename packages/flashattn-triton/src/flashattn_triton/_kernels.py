@@ -335,22 +335,29 @@ def attn_fwd_combine(
 
 @triton.jit
 def attn_bwd_preprocess(
-    Out, DO, Delta, stride_oz, stride_oh, stride_om, stride_dz, stride_dh, stride_dm,
-    heads, seqlen_q, head_dim,
+    Out, DO, Delta, DQ_ACC, stride_oz, stride_oh, stride_om, stride_dz, stride_dh, stride_dm,
+    heads, seqlen_q, head_dim, dq_acc_rows,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Delta = rowsum(dO * O) in float32 (unit stride along d). Grid: (Z * H, query tiles)."""
+    """Delta = rowsum(dO * O) in float32 (unit stride along d), and where DQ_ACC is given (the atomic
+    backward's float32 dQ sum, (Z, H, dq_acc_rows, BLOCK_D)) its rows zeroed: one pass over the rows
+    instead of a fill launch of its own. Grid: (Z * H, row tiles of max(seqlen_q, dq_acc_rows))."""
     bh = tl.program_id(0)
     z = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-    rows = offs_m[:, None].to(tl.int64)
-    o = tl.load(Out + z * stride_oz + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mask)
-    do = tl.load(DO + z * stride_dz + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=mask)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    if DQ_ACC is not None:
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc_rows = bh.to(tl.int64) * dq_acc_rows + offs_m[:, None]
+        tl.store(DQ_ACC + acc_rows * BLOCK_D + offs_d[None, :], zeros, mask=offs_m[:, None] < dq_acc_rows)
+    if tl.program_id(1) * BLOCK_M < seqlen_q:
+        mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+        rows = offs_m[:, None].to(tl.int64)
+        o = tl.load(Out + z * stride_oz + h * stride_oh + rows * stride_om + offs_d[None, :], mask=mask)
+        do = tl.load(DO + z * stride_dz + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=mask)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit

@@ -349,12 +349,19 @@ def _launcher_abi_known() -> bool:
     return tuple(int(x) for x in triton.__version__.split(".")[:2]) == (3, 6)
 
 
-def _launch_hooked() -> bool:
-    """Whether anyone (a profiler such as Proton) hooked Triton's kernel launches."""
+@functools.cache
+def _runtime_knobs() -> Any:
     from triton import knobs
 
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(hook, "calls", hook is not None) for hook in hooks)
+    return knobs.runtime  # one object for the process; a hook set later shows up in its attributes
+
+
+def _launch_hooked() -> bool:
+    """Whether anyone (a profiler such as Proton) hooked Triton's kernel launches: a HookChain with calls,
+    or a hook set as a plain function. Asked on every direct launch."""
+    runtime = _runtime_knobs()
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 class _LaunchArgs:
@@ -487,7 +494,7 @@ class _Plan:
     tune_key: tuple
     config: Any = None
     launch: _Launcher | _SplitBackward | None = None
-    preprocess: _Launcher | None = None
+    preprocess: dict[bool, _Launcher] = dataclasses.field(default_factory=dict)  # by whether it zeroes dQ
     # A forward's plans of the backward, by what its key adds to the forward's: the incoming gradient's
     # strides and alignment (autograd gives it the output's shape, dtype and device) and the precision.
     backward_plans: dict = dataclasses.field(default_factory=dict)
@@ -581,16 +588,15 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
 
 def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _SplitBackward],
          args: Callable[[Config], tuple], prologue: Callable[[], None] | None = None) -> Config:
-    """Launch the plan's kernel with args(config), after prologue() (a launch it depends on) once its
-    arguments are built: the two then reach the GPU back to back, not a host's argument building apart
-    (a large backward's descriptors took longer than its D preprocess ran). On the plan's first run the
-    config is chosen (the plan's own, else tuned among its candidates) and its launcher made; a config
-    that does not fit this GPU's shared memory steps down through smaller(). Returns the config that
-    ran."""
+    """Launch the plan's kernel with args(config), after prologue() (a launch it depends on, which may
+    also clear what args made) once its arguments are built: the two then reach the GPU back to back, not
+    a host's argument building apart (a large backward's descriptors took longer than its D preprocess
+    ran). On the plan's first run the config is chosen (the plan's own, else tuned among its candidates)
+    and its launcher made; a config that does not fit this GPU's shared memory steps down through
+    smaller(). Returns the config that ran."""
     if plan.launch is None:
-        if prologue is not None:  # before the tuner's runs
+        if prologue is not None:  # the tuner's runs read what it makes (and run again before the launch)
             prologue()
-            prologue = None
         # One launcher per candidate, so that the timed calls after the first launch directly, as every
         # later call of the plan will: small problems would otherwise time the JIT's host work.
         launchers: dict[Config, _Launcher | _SplitBackward] = {}
@@ -606,7 +612,6 @@ def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _SplitBackward],
             kernel_args = args(plan.config)
             if prologue is not None:
                 prologue()
-                prologue = None
             plan.launch(*kernel_args)
             return plan.config
         except _out_of_resources():
@@ -728,8 +733,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     delta_from_o = plan.small and plan.precision != "tf32x3"
     delta = None if delta_from_o else torch.empty_like(lse)
     q_in, do_in, k_in, v_in = _kernel_inputs(plan, q4, do4, k4, v4)
-    # dQ of the atomic variant: a float32 sum, zeroed before each run, padded to whole tiles of up to
-    # 128 rows so that its updates need no masks.
+    # dQ of the atomic variant: a float32 sum, zeroed before each run (by the preprocess where there is
+    # one), padded to whole tiles of up to 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
 
@@ -743,8 +748,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
     def args(c: BackwardConfig) -> tuple:
         nonlocal dq_acc
+        dq_acc = None
         if c.atomic_dq:
-            dq_acc = torch.zeros(batch, heads, dq_acc_rows, block_d, dtype=torch.float32, device=q.device)
+            dq_acc = (torch.zeros if delta is None else torch.empty)(batch, heads, dq_acc_rows, block_d,
+                                                                      dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
             return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
                                          c.block_n, c.num_stages, is_causal, scale)  # fmt: skip
@@ -758,13 +765,15 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                 c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads,
                 "dkdv" if c.split else "both")  # fmt: skip
 
-    def preprocess() -> None:
+    def preprocess() -> None:  # D, and the atomic variant's dQ sum zeroed
         rows = 64
-        if plan.preprocess is None:
-            grid = (batch * heads, -(-seqlen_q // rows))
-            plan.preprocess = _Launcher(kernels.attn_bwd_preprocess, grid, None)
-        plan.preprocess(o4, do4, delta, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
-                        block_d, rows)  # fmt: skip
+        clears = dq_acc is not None
+        launch = plan.preprocess.get(clears)
+        if launch is None:
+            grid = (batch * heads, -(-dq_acc_rows // rows))
+            launch = plan.preprocess[clears] = _Launcher(kernels.attn_bwd_preprocess, grid, None)
+        launch(o4, do4, delta, dq_acc, *o4.stride()[:3], *do4.stride()[:3], heads, seqlen_q, head_dim,
+               dq_acc_rows, block_d, rows)  # fmt: skip
 
     with _device_guard(q):
         used = _run(plan, launcher, args, preprocess if delta is not None else None)
