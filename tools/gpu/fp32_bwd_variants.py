@@ -40,6 +40,19 @@ VARIANTS = {
     "t16-2-split": (B(16, 64, 4, 2, transposed_grads=True, split=True), (128,)),
     "t32-1": (B(32, 64, 4, 1, transposed_grads=True), (128,)),
     "t32-1-split": (B(32, 64, 4, 1, transposed_grads=True, split=True), (128,)),
+    # dK/dV in 32-row steps (S and dP read the resident K and V half as often), dQ in 16-row steps at 3 stages
+    "t32-2-split-dq16-3": (
+        B(32, 64, 4, 2, transposed_grads=True, split=True, dq_block_m=16, dq_stages=3),
+        (128,),
+    ),
+    "t32-1-split-dq16-3": (
+        B(32, 64, 4, 1, transposed_grads=True, split=True, dq_block_m=16, dq_stages=3),
+        (128,),
+    ),
+    "t16-3-split-dq32-1": (
+        B(16, 64, 4, 3, transposed_grads=True, split=True, dq_block_m=32, dq_stages=1),
+        (128,),
+    ),
     "natural-32/128/8/2": (B(32, 128, 8, 2), (64,)),
     "natural-32/64/4/2": (B(32, 64, 4, 2), (64,)),
     "t32-3": (B(32, 64, 4, 3, transposed_grads=True), (64,)),
@@ -181,7 +194,8 @@ def main() -> None:
         groups: dict[tuple[int, str], list[str]] = {}
         for name, d in jobs:
             if status[(name, d)] == "ok":
-                alone = VARIANTS[name][0].block_m == 16
+                config = VARIANTS[name][0]
+                alone = min(config.block_m, config.dq_block_m or config.block_m) == 16
                 groups.setdefault((d, name if alone else ""), []).append(name)
         for (d, _), group in groups.items():
             command = [sys.executable, __file__, "--worker", ",".join(group), "--rep", str(args.rep),

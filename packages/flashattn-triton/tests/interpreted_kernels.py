@@ -114,18 +114,20 @@ TRANSPOSED_CONFIGS = [
     BackwardConfig(16, 32, 4, 1, transposed_grads=True),
     BackwardConfig(32, 16, 4, 1, transposed_grads=True, split=True),
     BackwardConfig(16, 32, 4, 1, split=True),
+    BackwardConfig(32, 32, 4, 1, transposed_grads=True, split=True, dq_block_m=16, dq_stages=2),
 ]
 
 
-@pytest.mark.parametrize("backward", TRANSPOSED_CONFIGS, ids=["transposed", "transposed-split", "split"])
+@pytest.mark.parametrize("backward", TRANSPOSED_CONFIGS,
+                         ids=["transposed", "transposed-split", "split", "split-own-dq-steps"])  # fmt: skip
 @pytest.mark.parametrize(
     "case", TRANSPOSED_CASES, ids=[f"{c[1]}x{c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}-{str(c[5])[6:]}"
                                    for c in TRANSPOSED_CASES]  # fmt: skip
 )
 def test_transposed_gradients_and_split_launches(problem, case, backward):
     """dKᵀ, dVᵀ, dQᵀ accumulated in one loop per phase (float32's layout at full accuracy, where every
-    shared-memory operand is K-major; other dtypes run it too), and dK/dV and dQ as two launches, on ragged
-    problems up to d = 128."""
+    shared-memory operand is K-major; other dtypes run it too), and dK/dV and dQ as two launches (the dQ
+    launch with steps of its own too), on ragged problems up to d = 128."""
     lead, seqlen_q, seqlen_k, head_dim, is_causal, dtype = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, scale=0.3)
     out, lse = triton_forward(p.q, p.k, p.v, is_causal, 0.3)

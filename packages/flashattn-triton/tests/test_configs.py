@@ -100,3 +100,21 @@ def test_head_dims_below_64_count_as_64_toward_the_small_problem_size(monkeypatc
         q = torch.zeros(1, 1, seqlen, 32, dtype=torch.bfloat16)
         small[seqlen] = triton_impl._plan("fwd", q, (q, q, q), True, None, None).small
     assert small == {16384: True, 32768: False}
+
+
+def test_split_backward_dq_launch_takes_its_own_steps():
+    """A split backward's dQ launch steps dq_block_m keys at a time with dq_stages stages; without a split
+    there is no dQ launch to give them to; a GPU short of shared memory first drops them."""
+    config = BackwardConfig(32, 64, 4, 2, transposed_grads=True, split=True, dq_block_m=16, dq_stages=3)
+    assert _configs.dq_launch(config) == BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
+    assert _configs.dq_launch(replace(config, dq_block_m=None, dq_stages=None)) == replace(
+        config, dq_block_m=None, dq_stages=None
+    )
+    assert smaller(config) == BackwardConfig(32, 64, 4, 2, transposed_grads=True, split=True)
+    assert triton_impl._describe(config) == "32/64/4/2/0 transposed_grads split dq_block_m=16 dq_stages=3"
+    with pytest.raises(ValueError, match="split=True"):
+        BackwardConfig(32, 64, 4, 2, transposed_grads=True, dq_block_m=16)
+    with pytest.raises(ValueError, match="dq_block_m=24"):
+        replace(config, dq_block_m=24)
+    with pytest.raises(ValueError, match="dq_stages=0"):
+        replace(config, dq_stages=0)

@@ -314,8 +314,9 @@ def test_tuner_offers_split_key_tiles_only_to_small_problems_short_of_programs()
     size."""
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     few = max(1, sm_count * 64 // 4096)  # heads of fewer than two programs an SM at T = 4096
+    short = _configs.SPLIT_MIN_KEY_TILES * 64 // 2  # half the shortest chain split, in key tiles of 64
     offered = {}
-    for name, heads, seqlen in (("few heads", few, 4096), ("many heads", 8 * few, 4096), ("short", 1, 1024),
+    for name, heads, seqlen in (("few heads", few, 4096), ("many heads", 8 * few, 4096), ("short", 1, short),
                                 ("large", 1, 65536)):  # fmt: skip
         q = torch.randn(1, heads, seqlen, 64, device="cuda", dtype=torch.bfloat16)
         triton_impl.triton_forward(q, q, q, True, 0.125)

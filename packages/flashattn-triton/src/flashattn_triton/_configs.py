@@ -50,7 +50,9 @@ class BackwardConfig:
     the dK/dV loop. With hopper, the Gluon kernel of _hopper runs it (block_n / 16 consumer warps plus a
     loader warp, num_stages ring stages). transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full
     accuracy: every shared-memory operand K-major) and split runs dK/dV and dQ as two launches (see
-    _kernels.attn_bwd); both need the dQ phase, not atomic_dq."""
+    _kernels.attn_bwd); both need the dQ phase, not atomic_dq. A split's dQ launch may step through the
+    keys dq_block_m at a time with dq_stages stages (block_m and num_stages where None): its resident
+    tiles and so its shared memory differ from the dK/dV launch's."""
 
     block_m: int
     block_n: int
@@ -61,10 +63,19 @@ class BackwardConfig:
     hopper: bool = False
     transposed_grads: bool = False
     split: bool = False
+    dq_block_m: int | None = None
+    dq_stages: int | None = None
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
         _check_blocks(self, ["block_m", "block_n"], 128)
+        if self.dq_block_m is not None:
+            _check_blocks(self, ["dq_block_m"], 128)
+        if (self.dq_block_m is not None or self.dq_stages is not None) and not self.split:
+            raise ValueError(f"{self}: dq_block_m and dq_stages belong to a split backward's dQ launch "
+                             "(split=True)")
+        if self.dq_stages is not None and not (isinstance(self.dq_stages, int) and self.dq_stages >= 1):
+            raise ValueError(f"dq_stages={self.dq_stages}: an int from 1")
         fits_hopper = self.atomic_dq and self.num_warps * 16 == self.block_n and self.num_stages >= 2
         if self.hopper and not fits_hopper:
             raise ValueError(f"{self}: the Hopper kernel adds dQ atomically (atomic_dq=True), gives each "
@@ -80,10 +91,11 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 F, B = ForwardConfig, BackwardConfig
 # Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
 # per problem size class and keeps the fastest. Each was measured on an H100 (PERF.md) and builds for
-# sm_90 without register spills in its loops. float32's backward from d = 64 accumulates transposed
+# sm_90 without register spills in its loops but one. float32's backward from d = 64 accumulates transposed
 # gradients (every TF32 operand K-major, PERF.md v19; at d = 128 with 16-row steps, which faulted in
-# Triton 3.6 only under its own tf32x3 split, and also as two launches, v20); float32 avoids 8-warp
-# backward tiles at d = 128 (their spills cost 20-25x).
+# Triton 3.6 only under its own tf32x3 split). At d = 128 it also runs as two launches (v20), dK/dV in
+# 32-row steps, which reload 34 spilled registers a step and still win at T >= 16384 (v26), dQ in 16-row
+# steps; float32 avoids 8-warp backward tiles at d = 128 (their spills cost 20-25x).
 _FORWARD = {
     (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
@@ -99,7 +111,8 @@ _BACKWARD = {
     (256, 2): [B(16, 64, 8, 1)],
     (32, 4): [B(32, 64, 4, 2)],
     (64, 4): [B(32, 128, 8, 2), B(32, 64, 4, 3, transposed_grads=True), B(32, 64, 4, 1)],
-    (128, 4): [B(16, 64, 4, 3, transposed_grads=True), B(16, 64, 4, 3, transposed_grads=True, split=True)],
+    (128, 4): [B(16, 64, 4, 3, transposed_grads=True),
+               B(32, 64, 4, 2, transposed_grads=True, split=True, dq_block_m=16, dq_stages=3)],
     (256, 4): [B(32, 32, 8, 1)],
 }
 
@@ -141,11 +154,20 @@ HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
 HOPPER_BACKWARD = [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)]
 
 
+def dq_launch(config: BackwardConfig) -> BackwardConfig:
+    """The config of a split backward's dQ launch: its own steps and stages where it has them."""
+    return replace(config, block_m=config.dq_block_m or config.block_m, num_stages=config.dq_stages or
+                   config.num_stages, dq_block_m=None, dq_stages=None)  # fmt: skip
+
+
 def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardConfig | None:
     """The next config down for a GPU with less shared memory: fewer stages, then smaller tiles (the
-    Hopper kernel steps down to the Triton-language kernel: its ring needs two stages)."""
+    Hopper kernel steps down to the Triton-language kernel: its ring needs two stages; a split backward's
+    dQ launch first takes the dK/dV launch's steps and stages)."""
     if config.hopper:
         return replace(config, hopper=False, max_registers=None)
+    if getattr(config, "dq_block_m", None) or getattr(config, "dq_stages", None):
+        return replace(config, dq_block_m=None, dq_stages=None)
     if config.num_stages > 1:
         return replace(config, num_stages=config.num_stages - 1)
     if config.block_n > 16:

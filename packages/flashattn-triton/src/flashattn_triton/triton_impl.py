@@ -30,6 +30,7 @@ from flashattn_triton._configs import (
     BackwardConfig,
     ForwardConfig,
     backward_candidates,
+    dq_launch,
     forward_candidates,
     smaller,
     with_split_key_tiles,
@@ -305,13 +306,16 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 def _describe(config: ForwardConfig | BackwardConfig) -> str:
-    """The numbers of a config joined by '/', then its flags and its kv_splits beyond 1 by name."""
+    """The numbers of a config joined by '/', then its flags, its kv_splits beyond 1 and the dQ launch's own
+    steps and stages by name."""
     flags = ("hopper", "transposed_grads", "split")
+    by_name = ("kv_splits", "dq_block_m", "dq_stages")
     numbers = [x for name, x in dataclasses.asdict(config).items()
-               if name not in (*flags, "kv_splits") and x is not None]  # fmt: skip
+               if name not in (*flags, *by_name) and x is not None]  # fmt: skip
     named = [name for name in flags if getattr(config, name, False)]
     splits = getattr(config, "kv_splits", 1)
     named += [f"kv_splits={splits}"] * (splits > 1)
+    named += [f"{name}={getattr(config, name)}" for name in by_name[1:] if getattr(config, name, None)]
     return " ".join(["/".join(str(int(x)) for x in numbers), *named])
 
 
@@ -464,16 +468,16 @@ class _SplitForward:
 
 
 class _SplitBackward:
-    """The split backward (BackwardConfig.split): attn_bwd launched for dK/dV, then for dQ, on the arguments
-    of the first launch with PHASE (the last) changed for the second."""
+    """The split backward (BackwardConfig.split): attn_bwd launched for dK/dV, then for dQ (with its own
+    steps, _configs.dq_launch), on the arguments that end the first launch's, as one tuple."""
 
     def __init__(self, dkdv: _Launcher, dq: _Launcher):
         self.dkdv = dkdv
         self.dq = dq
 
     def __call__(self, *args: Any) -> None:
-        self.dkdv(*args)
-        self.dq(*args[:-1], "dq")
+        self.dkdv(*args[:-1])
+        self.dq(*args[-1])
 
 
 @dataclasses.dataclass
@@ -741,8 +745,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     def launcher(c: BackwardConfig) -> _Launcher | _SplitBackward:
         key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
         if c.split:
-            return _SplitBackward(_Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c),
-                                  _Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), c))  # fmt: skip
+            dq = _Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), dq_launch(c))
+            return _SplitBackward(_Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
         tiles = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
         return _Launcher(_hopper.kernel("bwd") if c.hopper else kernels.attn_bwd, (tiles * batch * heads,), c)
 
@@ -755,6 +759,11 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
             return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
                                          c.block_n, c.num_stages, is_causal, scale)  # fmt: skip
+        if c.split:
+            return (*phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq"))
+        return phase_args(c, "both")
+
+    def phase_args(c: BackwardConfig, phase: str) -> tuple:
         step = [_tiles(t, c.block_m, block_d, host) for t in (q_in, do_in, k_in, v_in)]
         own = [_tiles(t, c.block_n, block_d, host) for t in (q_in, do_in, k_in, v_in, dq4, dk4, dv4)]
         # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
@@ -762,8 +771,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         outs = [_tiles(o4, rows, block_d, host) if delta_from_o else None for rows in (c.block_m, c.block_n)]
         return (*step, *own, lse, delta, *outs, accumulator, batch, heads, seqlen_q, seqlen_k, head_dim,
                 dq_acc_rows, scale * kernels.LOG2E, scale, c.block_m, c.block_n, block_d, is_causal,
-                c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads,
-                "dkdv" if c.split else "both")  # fmt: skip
+                c.atomic_dq, delta_from_o, plan.precision, c.transposed_grads, phase)  # fmt: skip
 
     def preprocess() -> None:  # D, and the atomic variant's dQ sum zeroed
         rows = 64
