@@ -16,28 +16,13 @@ Then the GPU time of a large problem's forward+backward, kernel by kernel (torch
 import sys
 
 import torch
-from host_timing import cell_us, host_us
+from host_timing import Floor, cell_us, host_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn_triton import FlashAttentionTriton
 
 SHAPES = [(1024, 64, torch.bfloat16), (1024, 16, torch.bfloat16), (4096, 128, torch.bfloat16),
           (8192, 32, torch.bfloat16), (1024, 64, torch.float32), (4096, 128, torch.float32)]  # fmt: skip
-
-
-class Floor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale):
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = torch.empty((3, *q.shape), dtype=q.dtype, device=q.device).unbind()
-        return *grads, None, None
 
 
 def sdpa(backend: SDPBackend, in_context: bool):
