@@ -47,8 +47,8 @@ def main() -> None:
         "an empty Triton kernel, direct": host_us(lambda: empty(x)),
     }
     for name, plan in plans.items():
-        split = hasattr(plan.launch, "partials")  # a split forward: the first of its two launches
-        launcher = plan.launch.partials if split else plan.launch
+        split = hasattr(plan.launch, "first")  # a split forward: the first of its two launches
+        launcher = plan.launch.first if split else plan.launch
         args = recorded[name][:-1] if split else recorded[name]
         state = inspect.getclosurevars(launcher.compiled).nonlocals
         launch_args, launch = state["launch_args"], state["launch"]

@@ -101,7 +101,7 @@ def test_split_key_tiles_give_the_same_attention_and_gradients(problem, case):
     grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.3)
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
     (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "fwd"]
-    assert type(plan.launch).__name__ == "_SplitForward"
+    assert type(plan.launch).__name__ == "_LaunchPair"
 
 
 TRANSPOSED_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype)

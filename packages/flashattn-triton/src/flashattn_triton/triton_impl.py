@@ -454,30 +454,19 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
     return direct
 
 
-class _SplitForward:
-    """The forward with its key tiles split (ForwardConfig.kv_splits): attn_fwd's partials, then
-    attn_fwd_combine on the arguments that end the first launch's, as one tuple."""
+class _LaunchPair:
+    """Two launches of one plan, the second depending on the first: the first on the call's arguments but
+    the last, the second on the last (a tuple). The split forward (ForwardConfig.kv_splits): attn_fwd's
+    partials, then attn_fwd_combine; the split backward (BackwardConfig.split): attn_bwd for dK/dV, then
+    for dQ (with its own steps, _configs.dq_launch)."""
 
-    def __init__(self, partials: _Launcher, combine: _Launcher):
-        self.partials = partials
-        self.combine = combine
-
-    def __call__(self, *args: Any) -> None:
-        self.partials(*args[:-1])
-        self.combine(*args[-1])
-
-
-class _SplitBackward:
-    """The split backward (BackwardConfig.split): attn_bwd launched for dK/dV, then for dQ (with its own
-    steps, _configs.dq_launch), on the arguments that end the first launch's, as one tuple."""
-
-    def __init__(self, dkdv: _Launcher, dq: _Launcher):
-        self.dkdv = dkdv
-        self.dq = dq
+    def __init__(self, first: _Launcher, second: _Launcher):
+        self.first = first
+        self.second = second
 
     def __call__(self, *args: Any) -> None:
-        self.dkdv(*args[:-1])
-        self.dq(*args[-1])
+        self.first(*args[:-1])
+        self.second(*args[-1])
 
 
 @dataclasses.dataclass
@@ -497,7 +486,7 @@ class _Plan:
     candidates: list
     tune_key: tuple
     config: Any = None
-    launch: _Launcher | _SplitBackward | None = None
+    launch: _Launcher | _LaunchPair | None = None
     preprocess: dict[bool, _Launcher] = dataclasses.field(default_factory=dict)  # by whether it zeroes dQ
     # A forward's plans of the backward, by what its key adds to the forward's: the incoming gradient's
     # strides and alignment (autograd gives it the output's shape, dtype and device) and the precision.
@@ -590,7 +579,7 @@ def _choose(run: Callable[[Config], None], candidates: list[Config], key: Any) -
     return config or candidates[0]
 
 
-def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _SplitBackward],
+def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _LaunchPair],
          args: Callable[[Config], tuple], prologue: Callable[[], None] | None = None) -> Config:
     """Launch the plan's kernel with args(config), after prologue() (a launch it depends on, which may
     also clear what args made) once its arguments are built: the two then reach the GPU back to back, not
@@ -603,7 +592,7 @@ def _run(plan: _Plan, launcher: Callable[[Config], _Launcher | _SplitBackward],
             prologue()
         # One launcher per candidate, so that the timed calls after the first launch directly, as every
         # later call of the plan will: small problems would otherwise time the JIT's host work.
-        launchers: dict[Config, _Launcher | _SplitBackward] = {}
+        launchers: dict[Config, _Launcher | _LaunchPair] = {}
 
         def run(c: Config) -> None:
             launchers.setdefault(c, launcher(c))(*args(c))
@@ -659,11 +648,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
     v_transposed = plan.precision == "tf32x3"
 
-    def launcher(c: ForwardConfig) -> _Launcher | _SplitForward:
+    def launcher(c: ForwardConfig) -> _Launcher | _LaunchPair:
         tiles = -(-seqlen_q // c.block_m) * batch * heads
         if c.kv_splits > 1:
             combine_tiles = -(-seqlen_q // COMBINE_ROWS) * batch * heads
-            return _SplitForward(_Launcher(kernels.attn_fwd, (tiles, c.kv_splits), c),
+            return _LaunchPair(_Launcher(kernels.attn_fwd, (tiles, c.kv_splits), c),
                                  _Launcher(kernels.attn_fwd_combine, (combine_tiles,), None))  # fmt: skip
         return _Launcher(_hopper.kernel("fwd") if c.hopper else kernels.attn_fwd, (tiles,), c)
 
@@ -742,11 +731,11 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
 
-    def launcher(c: BackwardConfig) -> _Launcher | _SplitBackward:
+    def launcher(c: BackwardConfig) -> _Launcher | _LaunchPair:
         key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
         if c.split:
             dq = _Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), dq_launch(c))
-            return _SplitBackward(_Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
+            return _LaunchPair(_Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
         tiles = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
         return _Launcher(_hopper.kernel("bwd") if c.hopper else kernels.attn_bwd, (tiles * batch * heads,), c)
 
