@@ -653,7 +653,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         if c.kv_splits > 1:
             combine_tiles = -(-seqlen_q // COMBINE_ROWS) * batch * heads
             return _LaunchPair(_Launcher(kernels.attn_fwd, (tiles, c.kv_splits), c),
-                                 _Launcher(kernels.attn_fwd_combine, (combine_tiles,), None))  # fmt: skip
+                               _Launcher(kernels.attn_fwd_combine, (combine_tiles,), None))  # fmt: skip
         return _Launcher(_hopper.kernel("fwd") if c.hopper else kernels.attn_fwd, (tiles,), c)
 
     def args(c: ForwardConfig) -> tuple:
