@@ -47,7 +47,7 @@ def main() -> None:
         "an empty Triton kernel, direct": host_us(lambda: empty(x)),
     }
     for name, plan in plans.items():
-        split = hasattr(plan.launch, "first")  # a split forward: the first of its two launches
+        split = hasattr(plan.launch, "first")  # a _LaunchPair (a split forward): time its first launch
         launcher = plan.launch.first if split else plan.launch
         args = recorded[name][:-1] if split else recorded[name]
         state = inspect.getclosurevars(launcher.compiled).nonlocals
