@@ -225,7 +225,7 @@ def test_backward_variants(problem, config, dtype, head_dim):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
-FLOAT32_VARIANTS = [  # transposed gradients, in one launch and in two (PERF.md v19, v20)
+FLOAT32_VARIANTS = [  # transposed gradients, one launch and two (decisions.md#fp32-split-backward)
     (BackwardConfig(32, 64, 4, 1, transposed_grads=True), 128),
     (BackwardConfig(32, 64, 4, 1, transposed_grads=True, split=True), 128),
     (BackwardConfig(32, 64, 4, 3, transposed_grads=True), 64),
@@ -357,8 +357,8 @@ def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
 
 def test_later_launches_bypass_tritons_runner_and_launch_hooks_still_see_them(problem, monkeypatch):
     """After a layout's first call its kernels go straight to Triton's C launcher (no launch metadata
-    built, PERF.md v16), unless a launch hook is set (a profiler's): then every launch goes through
-    Triton's runner and the hook sees it. Exact either way."""
+    built, decisions.md#direct-launch), unless a launch hook is set (a profiler's): then every launch goes
+    through Triton's runner and the hook sees it. Exact either way."""
     import triton
     from triton import knobs
     from triton.compiler.compiler import CompiledKernel

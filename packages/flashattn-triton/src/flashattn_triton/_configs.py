@@ -1,6 +1,6 @@
 """Block sizes, warps and pipeline stages of the Triton kernels: the candidates per head dim and dtype.
 
-Measured on an H100 (PERF.md has the sweeps behind them). Where no candidate fits a smaller GPU's
+Measured on an H100 (docs/decisions.md#tune-candidates). Where no candidate fits a smaller GPU's
 shared memory, the launcher steps down from the first through :func:`smaller` until one does.
 """
 
@@ -90,12 +90,12 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 
 F, B = ForwardConfig, BackwardConfig
 # Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
-# per problem size class and keeps the fastest. Each was measured on an H100 (PERF.md) and builds for
+# per problem size class and keeps the fastest. Each was measured on an H100 (decisions.md) and builds for
 # sm_90 without register spills in its loops but one. float32's backward from d = 64 accumulates transposed
-# gradients (every TF32 operand K-major, PERF.md v19; at d = 128 with 16-row steps, which faulted in
-# Triton 3.6 only under its own tf32x3 split). At d = 128 it also runs as two launches (v20), dK/dV in
-# 32-row steps, which reload 34 spilled registers a step and still win at T >= 16384 (v26), dQ in 16-row
-# steps; float32 avoids 8-warp backward tiles at d = 128 (their spills cost 20-25x).
+# gradients (every TF32 operand K-major, #fp32-transposed-grads; at d = 128 with 16-row steps, which faulted
+# in Triton 3.6 only under its own tf32x3 split). At d = 128 it also runs as two launches, dK/dV in
+# 32-row steps, which reload 34 spilled registers a step and still win at T >= 16384 (#fp32-split-backward),
+# dQ in 16-row steps; float32 avoids 8-warp backward tiles at d = 128 (their spills cost 20-25x).
 _FORWARD = {
     (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
@@ -129,8 +129,8 @@ def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list
 
 # Key tiles split among programs (ForwardConfig.kv_splits) are tried where one program a query tile leaves
 # the GPU short of work: fewer programs than two an SM, and a longest chain of at least SPLIT_MIN_KEY_TILES
-# key tiles (with shorter ones the combine took what the split saved, PERF.md v21, v25). The tuner then
-# times each candidate split and unsplit.
+# key tiles (with shorter ones the combine took what the split saved, decisions.md#split-key-tiles). The
+# tuner then times each candidate split and unsplit.
 KV_SPLITS = (2, 4, 8)
 SPLIT_MIN_KEY_TILES = 16
 
@@ -147,7 +147,7 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
     return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
-# The Gluon kernels on Hopper (PERF.md v14, v15; written and checked with Triton 3.6), for the problems
+# The Gluon kernels on Hopper (decisions.md#gluon-forward, #gluon-backward; Triton 3.6), for the problems
 # _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
 # cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]

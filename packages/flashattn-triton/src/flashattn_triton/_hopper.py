@@ -3,11 +3,11 @@ mbarriers, asynchronous wgmma and warp specialization, which the Triton-language
 Written against Triton 3.6's Gluon (``available()`` says whether this Triton has it); the launchers offer
 them to their tuner where they apply (``supports``) and keep the Triton-language kernels elsewhere.
 
-Forward (``_hopper_kernels.attn_fwd``, PERF.md v15): FA3's ping-pong. Two 4-warp consumer partitions own
-64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
+Forward (``_hopper_kernels.attn_fwd``, decisions.md#gluon-forward): FA3's ping-pong. Two 4-warp consumers
+own 64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
 products; a loader partition streams 128-key tiles of K and V through a ring of mbarrier-guarded stages.
 
-Backward (``_hopper_kernels.attn_bwd``, PERF.md v14): the algorithm of ``_kernels.attn_bwd`` with
+Backward (``_hopper_kernels.attn_bwd``, decisions.md#gluon-backward): ``_kernels.attn_bwd``'s algorithm with
 ATOMIC_DQ. One program owns 128 keys of one (z, h) (two consumer warpgroups of 64), keeps K and V in
 shared memory, and a one-warp loader streams the query tiles of 64 rows that see them (Q, dO, L, D).
 Per step, with the transposed scores (keys are the rows):

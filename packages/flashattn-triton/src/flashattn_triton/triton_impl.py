@@ -178,7 +178,7 @@ SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:
     """Query-key pairs times the head dim, counted as at least 64: below it a kernel's time per pair stops
     falling with d (the softmax's exponentials, each tile's fixed costs; at (1, 32768, 32) the large
-    problems' backward took 0.62 ms, the small problems' 0.99, PERF.md v22)."""
+    problems' backward took 0.62 ms, the small problems' 0.99, decisions.md#small-problem-path)."""
     return batch_heads * seqlen_q * seqlen_k * max(head_dim, 64)
 
 
@@ -194,8 +194,8 @@ def _host_descriptors(device: torch.device) -> bool:
     """Whether the host builds the tensor descriptors: on Hopper and later, and for the interpreter.
     Otherwise the kernels get pointers to contiguous tensors and build them (on GPUs before Hopper, as
     ordinary loads). A kernel-built descriptor costs every program a write and a fence: about 4 us of a
-    forward on an H100 and 14 us of a backward (PERF.md v23), while the host encodes its own once per
-    address (_LaunchArgs)."""
+    forward on an H100 and 14 us of a backward (decisions.md#host-descriptors), while the host encodes its own
+    once per address (_LaunchArgs)."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -418,7 +418,7 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[..., Non
     is the one _launcher_abi_known checked and no launch hook is set; else through the JIT's own runner.
     Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
     for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
-    every tensor: about half of a small problem's host time a pass (PERF.md v16)."""
+    every tensor: about half of a small problem's host time a pass (decisions.md#direct-launch)."""
     runner = kernel[grid]
 
     def through_runner(*args: Any) -> None:
@@ -809,7 +809,7 @@ class FlashAttentionTriton(AttentionFunction):
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         # once_differentiable only under create_graph=True, where its gradients must refuse a second
-        # differentiation; elsewhere its wrapper is host time a small problem notices (PERF.md v16).
+        # differentiation; elsewhere its wrapper is host time (decisions.md#once-differentiable).
         return (_gradients_once if torch.is_grad_enabled() else _gradients)(ctx, grad_out)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two-GPU runs (nvidia-h200-x2): minddp and shardopt tests on NCCL, all-reduce, DDP and
 # shardopt benchmarks. Run from the repo root on a machine whose python3 has torch and triton:
-#   OUT=/some/dir bash tools/gpu/h200-x2.sh
+#   OUT=/some/dir bash apps/benchmarks/scripts/h200x2_distributed.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 COLUMNS=160 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/packages/flashattn-triton/src:$PWD/packages/minddp/src:$PWD/packages/shardopt/src:$PWD/packages/profkit/src:$PWD/apps/benchmarks/src

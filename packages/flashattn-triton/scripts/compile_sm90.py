@@ -5,14 +5,16 @@ ones paid on every step).
 
 Needs only triton (the GPU machine's version, 3.6.0: `pip install triton==3.6.0` in a scratch venv) and
 its bundled cuobjdump; the kernels module is loaded from its file, so torch is not needed. The arguments
-are those of a large problem on Hopper (descriptors built by the host; --small: pointers, the kernels
-build them, as below triton_impl's SMALL_PROBLEM_WORK), D from the preprocess, integers divisible by 16,
-causal unless --full.
+are those of a large problem on Hopper (descriptors built by the host; --small: pointers, from which the
+kernels build their descriptors, as on GPUs before Hopper), D from the preprocess, integers divisible by
+16, causal unless --full. The signatures follow _kernels.py's arguments: a kernel that gains arguments
+needs them added here.
 
-    python tools/gpu/compile_sm90.py bwd:32/64/4/1 bwd:16/64/4/3:transposed --dims 64,128
-    python tools/gpu/compile_sm90.py bwd:16/64/4/2:transposed,dkdv bwd:16/64/4/2:transposed,dq
-    python tools/gpu/compile_sm90.py fwd:64/32/4/2 --dtype float32 --keep out/sm90
-    KERNELS_FILE=/tmp/old_kernels.py python tools/gpu/compile_sm90.py bwd:32/64/4/1
+    cd packages/flashattn-triton
+    python scripts/compile_sm90.py bwd:32/64/4/1 bwd:16/64/4/3:transposed --dims 64,128
+    python scripts/compile_sm90.py bwd:16/64/4/2:transposed,dkdv bwd:16/64/4/2:transposed,dq
+    python scripts/compile_sm90.py fwd:64/32/4/2 --dtype float32 --keep out/sm90
+    KERNELS_FILE=/tmp/old_kernels.py python scripts/compile_sm90.py bwd:32/64/4/1
 
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES[/ATOMIC_DQ][:FLAGS], FLAGS from transposed (the
 backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward) and split (the forward's
@@ -35,8 +37,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 
-ROOT = Path(__file__).resolve().parents[2]
-KERNELS = ROOT / "packages/flashattn-triton/src/flashattn_triton/_kernels.py"
+KERNELS = Path(__file__).resolve().parents[1] / "src/flashattn_triton/_kernels.py"
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -177,7 +178,7 @@ def main() -> None:
     parser.add_argument("--dims", default="128", help="BLOCK_D values, comma-separated")
     parser.add_argument("--dtype", default="float32", choices=sorted(TYPES))
     parser.add_argument("--full", action="store_true", help="non-causal (default: causal)")
-    parser.add_argument("--small", action="store_true", help="the small-problem path (descriptors in-kernel)")
+    parser.add_argument("--small", action="store_true", help="descriptors built in the kernels from pointers")
     parser.add_argument("--keep", type=Path, help="write each kernel's TTGIR, PTX and SASS here")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tempfile.gettempdir()) / "compile_sm90_cache"))

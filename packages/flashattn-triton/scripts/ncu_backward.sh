@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Nsight Compute on one backward kernel of (16, 16384, 64) bf16 causal: where its warps stall.
-#   OUT=/some/dir bash tools/gpu/ncu_bwd.sh
+# Nsight Compute on one backward kernel of (16, 16384, 64) bf16 causal: where its warps stall
+# (decisions.md#bwd-latency-variants). Tuning off: the default Triton-language config is the one profiled.
+#   OUT=/some/dir bash packages/flashattn-triton/scripts/ncu_backward.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/packages/flashattn-triton/src PYTHONUNBUFFERED=1 FLASHATTN_TRITON_AUTOTUNE=0
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 cat > "$OUT/run_bwd.py" <<'PY'
 import torch
-from flashattn_triton.triton_impl import triton_backward, triton_forward
-q, k, v, do = (torch.randn(1, 16, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-out, lse = triton_forward(q, k, v, True, 0.125)
+from flashattn_triton import flash_attention
+shape = (1, 16, 16384, 64)
+q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+grad = torch.randn_like(q)
 for _ in range(3):
-    triton_backward(q, k, v, out, lse, do, True, 0.125)
+    flash_attention(q, k, v, is_causal=True).backward(grad)
 torch.cuda.synchronize()
 PY
 timeout 400 ncu --kernel-name attn_bwd --launch-skip 1 --launch-count 1 --section WarpStateStats \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU experiments of profkit and the model (nvidia-h100-x1): profkit's CUDA tests,
 # e2e for all five sizes, per-phase kernel tables, the 2.7B memory timeline, attention, precision.
-#   OUT=/some/dir bash tools/gpu/h100-e2e.sh
+#   OUT=/some/dir bash apps/benchmarks/scripts/h100_e2e.sh
 set -uo pipefail
 export COLUMNS=200 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD/packages/flashattn-triton/src:$PWD/packages/minddp/src:$PWD/packages/shardopt/src:$PWD/packages/profkit/src:$PWD/apps/benchmarks/src
