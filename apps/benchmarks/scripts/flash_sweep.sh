@@ -6,7 +6,7 @@
 #   OUT=/some/dir bash apps/benchmarks/scripts/flash_sweep.sh
 # Results: $OUT/results/<device>/flash_sdpa.{csv,md} and flash_fp32.{csv,md}; the log: $OUT/log.txt.
 set -uo pipefail
-export COLUMNS=250 PYTHONUNBUFFERED=1
+export COLUMNS=250 PYTHONUNBUFFERED=1 FLASHATTN_TRITON_AUTOTUNE_LOG=1  # tuning decisions to stderr.txt
 export PYTHONPATH=$PWD/packages/flashattn-triton/src:$PWD/apps/benchmarks/src
 OUT=${OUT:-out/gpu}; R=$OUT/results; mkdir -p "$R"; L=$OUT/log.txt
 BASELINE=${BASELINE:-results/nvidia-h100-80gb-hbm3}
