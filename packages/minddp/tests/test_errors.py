@@ -38,6 +38,11 @@ def test_make_ddp_names_the_strategies_it_knows(single_rank_group):
     assert isinstance(make_ddp("bucketed", nn.Linear(2, 2), bucket_size_mb=1), BucketedDDP)
 
 
+class FirstOnly(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self[0](x)
+
+
 def error_of(build) -> str:
     try:
         build()
@@ -59,12 +64,21 @@ def misuse_on_three_ranks(rank: int, world_size: int) -> dict[str, object]:
         somewhere_else = nn.Linear(2, 2)
     seen["device"] = error_of(lambda: NaiveDDP(somewhere_else))
 
-    for name in ("overlap", "bucketed"):
+    for name in STRATEGIES:
         ddp = make_ddp(name, nn.Linear(2, 2))
         loss = ddp(torch.ones(1, 2)).sum()
         loss.backward(retain_graph=True)
         seen[f"twice/{name}"] = error_of(loss.backward)
-        ddp.finish_gradient_synchronization()  # what was launched completes: the group stays usable
+        ddp(torch.ones(1, 2)).sum().backward()  # the next iteration works: the group stays usable
+
+    # Wrapped differently on the last rank: caught at construction, on every rank.
+    seen["strategy"] = error_of(lambda: make_ddp("flat" if rank == last else "naive", nn.Linear(2, 2)))
+    seen["bucket_size"] = error_of(lambda: BucketedDDP(nn.Linear(2, 2), bucket_size_mb=1 + (rank == last)))
+    seen["find_unused"] = error_of(lambda: NaiveDDP(nn.Linear(2, 2), find_unused_parameters=rank == last))
+
+    # find_unused_parameters=False and a parameter without a gradient: torch DDP's error, on time.
+    unused = NaiveDDP(FirstOnly(nn.Linear(2, 2), nn.Linear(2, 2)))
+    seen["unused"] = error_of(lambda: unused(torch.ones(1, 2)).sum().backward())
 
     # A subgroup of the last two ranks: its rank 0 is global rank 1, which must be the source of the weights.
     group = dist.new_group([1, 2])
@@ -98,10 +112,26 @@ def test_a_model_that_differs_between_ranks_fails_on_every_rank(misuse, check, p
         assert re.search(pattern, seen[check]), seen[check]
 
 
-@pytest.mark.parametrize("name", ["overlap", "bucketed"])
-def test_a_second_backward_without_no_sync_is_refused(misuse, name):
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_second_backward_without_forward_is_refused(misuse, name):
     for seen in misuse:
         assert "second gradient" in seen[f"twice/{name}"] and "no_sync" in seen[f"twice/{name}"]
+
+
+@pytest.mark.parametrize("check, pattern", [
+    ("strategy", r"strategy: 'NaiveDDP' on rank 0 but 'FlatDDP' on rank 2"),
+    ("bucket_size", r"bucket_size_mb: 1.0 on rank 0 but 2.0 on rank 2"),
+    ("find_unused", r"find_unused_parameters: False on rank 0 but True on rank 2"),
+])
+def test_a_wrapper_that_differs_between_ranks_fails_on_every_rank(misuse, check, pattern):
+    for seen in misuse:
+        assert re.search(pattern, seen[check]), seen[check]
+
+
+def test_a_parameter_without_gradient_needs_find_unused_parameters(misuse):
+    for seen in misuse:
+        assert re.search(r"2 parameter\(s\) got no gradient.*: 1.weight, 1.bias\..*find_unused_parameters=True",
+                         seen["unused"]), seen["unused"]
 
 
 def test_process_group_averages_over_its_members_from_its_first_member(misuse):
