@@ -272,3 +272,25 @@ def test_no_collective_beyond_the_gradients_unless_find_unused_parameters(ranks)
         for strategy in STRATEGIES:
             assert counts[f"{strategy}/False"] == 0, counts
             assert counts[f"{strategy}/True"] == 1, counts  # which parameters some rank used
+
+
+def early_termination(rank: int, world_size: int) -> list[str]:
+    """Each wrapper's error under join(throw_on_early_termination=True), rank r having 2 + r batches."""
+    errors = []
+    for wrap in (functools.partial(make_ddp, "bucketed"), torch_ddp):
+        ddp = wrap(Net())
+        try:
+            with ddp.join(throw_on_early_termination=True):
+                for step in range(2 + rank):
+                    loss_of(ddp, *batch(step, rank)).backward()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        else:
+            errors.append("no error")
+    return errors
+
+
+def test_throw_on_early_termination_raises_on_every_rank_as_torch_does(ranks):
+    # 2 ranks only: torch DDP takes seconds to raise.
+    for rank, (ours, theirs) in enumerate(ranks(early_termination, 2, timeout=60)):
+        assert ours == theirs and "exhausted" in ours, f"rank {rank}: {ours!r} vs torch's {theirs!r}"
