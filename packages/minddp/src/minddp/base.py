@@ -108,11 +108,10 @@ class DataParallel(nn.Module, Joinable):
         elif torch.is_grad_enabled():
             self._reducer.accumulate_locally()
         join_work = Join.notify_join_context(self)
-        if join_work is not None:
-            self._reducer.divisor = self.world_size
-            if not self._divide_by_initial_world_size:
-                join_work.wait()
-                self._reducer.divisor = int(join_work.result()[0].item())
+        self._reducer.divisor = self.world_size
+        if join_work is not None and not self._divide_by_initial_world_size:
+            join_work.wait()  # its result: how many ranks are still training
+            self._reducer.divisor = int(join_work.result()[0].item())
         if self._buffers_to_sync():
             self._broadcast_from(self._common_rank(True) if self._join_config.enable else 0,
                                  list(self.module.buffers()))
@@ -276,7 +275,7 @@ class _DataParallelJoinHook(JoinHook):
         averaged = ddp._all_reduce_flag(False)
         ddp._buffers_due = averaged
         if averaged:
-            ddp._reducer.shadow_backward()
+            ddp._reducer.shadow_backward(ddp._divide_by_initial_world_size)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp

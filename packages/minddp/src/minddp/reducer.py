@@ -124,8 +124,13 @@ class Reducer:
                 "must take part in the loss on every rank; pass find_unused_parameters=True if some "
                 "ranks or steps leave parameters unused")
 
-    def shadow_backward(self) -> None:
-        """On a rank that has joined: the collectives of a backward pass, contributing zeros."""
+    def shadow_backward(self, divide_by_initial_world_size: bool) -> None:
+        """On a rank that has joined: the collectives of a backward pass, contributing zeros.
+
+        They must use the same reduction as the ranks still training: those divide by the world
+        size, or by how many of them are left (fewer than the world size, while one has joined).
+        """
+        self.divisor = self.world_size if divide_by_initial_world_size else 1
         pending = []
         for bucket in self.buckets:
             zeros = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
