@@ -53,9 +53,7 @@ class Reducer:
         # Per iteration.
         self.expecting = False  # a forward asked for this backward's gradients to be averaged
         self.averaged = False  # they were, since the last forward
-        self.finish_queued = False
-        self.next_to_launch = 0
-        self.arrived = [False] * len(self.params)
+        self.reset()
         # The hooks hold the reducer weakly, and go away with it: a dropped wrapper leaves no hooks behind.
         this = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, bucket, i))
@@ -66,15 +64,21 @@ class Reducer:
 
     def prepare_for_backward(self) -> None:
         """A forward whose backward is to be averaged: start afresh, whatever an earlier failure left."""
+        if self.expecting:  # the last averaged forward's backward failed, or never ran
+            self.reset()
+        self.expecting, self.averaged = True, False
+
+    def reset(self) -> None:
+        """No gradient arrived, no bucket launched: waits for any launched by a backward that then failed
+        (on every rank, so their all-reduces complete)."""
         for bucket in self.buckets:
-            if bucket.pending is not None:  # launched by a backward that then failed, on every rank
+            if bucket.pending is not None:
                 bucket.pending.wait()
                 bucket.pending = bucket.reduced = None
             bucket.remaining = len(bucket.params)
         self.arrived = [False] * len(self.params)
         self.next_to_launch = 0
         self.finish_queued = False
-        self.expecting, self.averaged = True, False
 
     def accumulate_locally(self) -> None:
         """A forward under ``no_sync()``: its backward accumulates gradients without communicating."""
@@ -111,10 +115,11 @@ class Reducer:
         for bucket in self.buckets[self.next_to_launch:]:
             self.launch(bucket)
         used = self.used_on_any_rank() if self.find_unused_parameters else None
-        missing = [self.names[i] for i, arrived in enumerate(self.arrived) if not arrived]
+        missing = [] if all(self.arrived) else [
+            name for name, arrived in zip(self.names, self.arrived, strict=True) if not arrived]
         for bucket in self.buckets:
             bucket.scatter(self.wait(bucket.pending, bucket.reduced), used)
-            bucket.remaining = len(bucket.params)
+        self.reset()
         self.expecting, self.averaged = False, True
         if missing and not self.find_unused_parameters:
             raise RuntimeError(
