@@ -98,6 +98,7 @@ class DataParallel(nn.Module, Joinable):
         self._sync_enabled = True  # torch DDP's require_backward_grad_sync: False inside no_sync()
         self._buffers_due = True  # torch DDP's require_forward_param_sync: the last forward was averaged
         self._divide_by_initial_world_size = True
+        self._has_buffers = any(True for _ in module.buffers())  # which ones is re-read at each sync
 
     # --- training ---------------------------------------------------------------------------
 
@@ -191,7 +192,7 @@ class DataParallel(nn.Module, Joinable):
     # --- collectives beyond the gradients ----------------------------------------------------
 
     def _buffers_to_sync(self) -> bool:
-        return self.broadcast_buffers and self._buffers_due and any(True for _ in self.module.buffers())
+        return self.broadcast_buffers and self._buffers_due and self._has_buffers
 
     def _broadcast_from(self, src: int, tensors: list[torch.Tensor]) -> None:
         broadcast_coalesced(tensors, src, self.process_group)
