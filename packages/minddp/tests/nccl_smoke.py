@@ -84,8 +84,11 @@ def main() -> None:
         for hook, uneven in ((default_hooks.bf16_compress_hook, False), (None, True)):
             ours = train_like_torch(functools.partial(make_ddp, strategy), rank, device, hook, uneven)
             theirs = train_like_torch(torch_ddp, rank, device, hook, uneven)
+            # bf16 sums of more than two values may round differently in the two bucket layouts.
+            loose = {"rtol": 1e-2, "atol": 1e-3} if hook is not None and world > 2 else {}
             for p, q in zip(ours, theirs, strict=True):
-                torch.testing.assert_close(p, q, msg=f"{strategy} vs torch DDP, hook {hook}, uneven {uneven}")
+                torch.testing.assert_close(p, q, **loose, msg=f"{strategy} vs torch DDP, hook {hook}, "
+                                                               f"uneven {uneven}")
 
     one_bucket = BucketedDDP(model().to(device), bucket_size_mb=None)
     one_bucket(torch.randn(2, 16, device=device)).sum().backward()
