@@ -109,7 +109,7 @@ class Bucket:
         ``used`` is indexed like the wrapper's parameters; ``None`` counts every parameter as used.
         """
         reduced = self.reduced
-        if result is not reduced:
+        if result.data_ptr() != reduced.data_ptr() or result.dtype != reduced.dtype:  # not reduced in place
             if result.numel() != reduced.numel():
                 raise ValueError(f"the communication hook returned {result.numel()} elements for bucket "
                                  f"{self.index} of {reduced.numel()} (parameters {', '.join(self.names)})")
