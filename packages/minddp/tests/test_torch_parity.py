@@ -31,7 +31,7 @@ from minddp import STRATEGIES, make_ddp
 STEPS = 3
 WORLD_SIZES = [2, 3]
 # With 3 ranks, sums of three values may round differently: by about an ulp of the communicated dtype.
-TOLERANCE_3_RANKS = {"hook-fp16": 1e-3, "hook-bf16": 1e-2}
+TOLERANCE_3_RANKS = {"hook-fp16": 1e-3, "hook-fp16-wrapper": 1e-3, "hook-bf16": 1e-2}
 
 
 class Net(nn.Module):
@@ -166,7 +166,9 @@ def torch_ddp(model: nn.Module, **kwargs: Any) -> DistributedDataParallel:
 
 
 HOOKS = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-         "bf16": default_hooks.bf16_compress_hook}
+         "bf16": default_hooks.bf16_compress_hook,
+         # set_buffer() and a result of another dtype than the bucket's:
+         "fp16-wrapper": default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)}
 
 
 def bf16_hook_for_torch(state, bucket):  # no annotations: torch DDP checks them, and they are strings here
