@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-
-import torch
-import torch.distributed as dist
-from torch import nn
 
 from minddp.base import DataParallel
 
@@ -18,14 +13,7 @@ class NaiveDDP(DataParallel):
     Takes torch DDP's arguments (see :class:`~minddp.base.DataParallel`).
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
-                 output_device: int | torch.device | None = None, *,
-                 process_group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
-        super().__init__(module, device_ids, output_device, process_group=process_group,
-                         broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
-                         gradient_as_bucket_view=gradient_as_bucket_view,
-                         max_bucket_bytes=0, first_bucket_bytes=None, overlap=False)
+    max_bucket_bytes = 0
 
 
 class FlatDDP(DataParallel):
@@ -36,11 +24,4 @@ class FlatDDP(DataParallel):
     of a copy in and out). Takes torch DDP's arguments (see :class:`~minddp.base.DataParallel`).
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
-                 output_device: int | torch.device | None = None, *,
-                 process_group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
-        super().__init__(module, device_ids, output_device, process_group=process_group,
-                         broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
-                         gradient_as_bucket_view=gradient_as_bucket_view,
-                         max_bucket_bytes=math.inf, first_bucket_bytes=None, overlap=False)
+    max_bucket_bytes = math.inf

@@ -33,8 +33,8 @@ class DataParallel(nn.Module, Joinable):
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel``: its arguments have torch's
     meaning, and ``loss.backward()`` returns with every ``.grad`` averaged over the ranks.
-    Subclasses choose the buckets (``max_bucket_bytes``, ``first_bucket_bytes``) and whether
-    they are reduced during backward (``overlap``) or after it.
+    A strategy (subclass) sets the buckets (:attr:`max_bucket_bytes`, :attr:`first_bucket_bytes`)
+    and whether they are reduced during backward or after it (:attr:`overlap`).
 
     At construction it checks that every rank holds the same parameters and buffers (names,
     shapes, dtypes, ``requires_grad``) on devices the group's backend can serve, and wraps them
@@ -58,11 +58,17 @@ class DataParallel(nn.Module, Joinable):
             buffer (no copy out after averaging); ``False`` copies.
     """
 
+    #: The largest bucket in bytes (0: one parameter per bucket; inf: one bucket per device and dtype).
+    max_bucket_bytes: float = math.inf
+    #: The first bucket's limit, where it differs.
+    first_bucket_bytes: float | None = None
+    #: Reduce each bucket as soon as backward has produced it, rather than after backward.
+    overlap: bool = False
+
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, *,
                  process_group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
-                 max_bucket_bytes: float, first_bucket_bytes: float | None, overlap: bool) -> None:
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):
@@ -84,7 +90,7 @@ class DataParallel(nn.Module, Joinable):
         # parameters() yields a tied tensor once, so tied parameters are communicated once.
         named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named_params]
-        reverse_groups = group_by_size(params[::-1], max_bucket_bytes, first_bucket_bytes)
+        reverse_groups = group_by_size(params[::-1], self.max_bucket_bytes, self.first_bucket_bytes)
         index = {id(p): i for i, p in enumerate(params)}
         buckets = [[index[id(p)] for p in group] for group in reverse_groups]
         self._check_same_on_every_rank(buckets)
@@ -93,8 +99,9 @@ class DataParallel(nn.Module, Joinable):
         self._broadcast_from(0, [*module.parameters(), *(module.buffers() if self.broadcast_buffers else ())])
         device = params[0].device if params else self._comm_device
         average_in_collective = self._backends.get(device.type) in _BACKENDS_WITH_AVG
-        self._reducer = Reducer(named_params, buckets, self.process_group, average_in_collective, overlap,
-                                self.gradient_as_bucket_view, self.find_unused_parameters, self._comm_device)
+        self._reducer = Reducer(named_params, buckets, self.process_group, average_in_collective,
+                                self.overlap, self.gradient_as_bucket_view, self.find_unused_parameters,
+                                self._comm_device)
         self._sync_enabled = True  # torch DDP's require_backward_grad_sync: False inside no_sync()
         self._buffers_due = True  # torch DDP's require_forward_param_sync: the last forward was averaged
         self._divide_by_initial_world_size = True

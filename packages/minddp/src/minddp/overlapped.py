@@ -24,14 +24,8 @@ class OverlapDDP(DataParallel):
     :class:`~minddp.base.DataParallel`).
     """
 
-    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
-                 output_device: int | torch.device | None = None, *,
-                 process_group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
-        super().__init__(module, device_ids, output_device, process_group=process_group,
-                         broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
-                         gradient_as_bucket_view=gradient_as_bucket_view,
-                         max_bucket_bytes=0, first_bucket_bytes=None, overlap=True)
+    max_bucket_bytes = 0
+    overlap = True
 
 
 class _DefaultBucketSize(float):
@@ -53,6 +47,8 @@ class BucketedDDP(DataParallel):
     Takes torch DDP's other arguments (see :class:`~minddp.base.DataParallel`).
     """
 
+    overlap = True
+
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, *,
                  bucket_size_mb: float | None = DEFAULT_BUCKET_MB, bucket_cap_mb: float | None = None,
@@ -62,15 +58,14 @@ class BucketedDDP(DataParallel):
             if not isinstance(bucket_size_mb, _DefaultBucketSize):
                 raise ValueError(f"give bucket_size_mb ({bucket_size_mb!r}) or its torch name bucket_cap_mb "
                                  f"({bucket_cap_mb!r}), not both")
-            max_bytes, first_bytes = bucket_bytes(bucket_cap_mb, "bucket_cap_mb")
+            self.max_bucket_bytes, self.first_bucket_bytes = bucket_bytes(bucket_cap_mb, "bucket_cap_mb")
             bucket_size_mb = bucket_cap_mb
         else:
-            max_bytes, first_bytes = bucket_bytes(bucket_size_mb)
+            self.max_bucket_bytes, self.first_bucket_bytes = bucket_bytes(bucket_size_mb)
         self.bucket_size_mb = None if bucket_size_mb is None else float(bucket_size_mb)
         super().__init__(module, device_ids, output_device, process_group=process_group,
                          broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
-                         gradient_as_bucket_view=gradient_as_bucket_view,
-                         max_bucket_bytes=max_bytes, first_bucket_bytes=first_bytes, overlap=True)
+                         gradient_as_bucket_view=gradient_as_bucket_view)
 
     def _config(self) -> dict[str, object]:
         return {**super()._config(), "bucket_size_mb": self.bucket_size_mb}
