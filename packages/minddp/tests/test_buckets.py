@@ -1,14 +1,17 @@
-"""Bucket mechanics on one rank: gradient views, no_sync, and hooks that leave with their wrapper."""
+"""Bucket mechanics on one rank: gradient views, no_sync, hooks that leave with their wrapper, and when
+each strategy launches its all-reduces."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from minddp import BucketedDDP, OverlapDDP
+from minddp import BucketedDDP, OverlapDDP, make_ddp
 
 
 def mlp() -> nn.Module:
@@ -64,3 +67,20 @@ def test_first_bucket_holds_at_most_one_mib_and_the_rest_fill_up(single_rank_gro
     assert BucketedDDP(model, bucket_size_mb=25).bucket_names == [reverse[:1], reverse[1:]]
     assert BucketedDDP(model, bucket_size_mb=None).bucket_names == [reverse]
     assert len(BucketedDDP(model, bucket_size_mb=0.5).bucket_names) == 4
+
+
+@pytest.mark.parametrize("strategy, during_backward", [("naive", False), ("flat", False), ("overlap", True),
+                                                       ("bucketed", True)])
+def test_overlapped_strategies_launch_during_backward_the_others_after(single_rank_group, monkeypatch,
+                                                                      strategy, during_backward):
+    launched: list[torch.Tensor] = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **kw: launched.append(tensor) or
+                        all_reduce(tensor, *a, **kw))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ddp = make_ddp(strategy, model, **({"bucket_size_mb": 0} if strategy == "bucketed" else {}))
+    seen_before_first_layer: list[int] = []
+    model[0].weight.register_hook(lambda grad: seen_before_first_layer.append(len(launched)))
+    ddp(torch.randn(3, 4)).sum().backward()
+    assert (seen_before_first_layer[0] > 0) == during_backward
+    assert len(launched) == len(ddp.bucket_names)  # all of them by the time backward returns

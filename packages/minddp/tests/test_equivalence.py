@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp import make_ddp
-from minddp.base import group_by_size
+from minddp.collectives import group_by_size
 
 STEPS = 3
 PER_RANK = 4
@@ -76,6 +76,7 @@ class SometimesBranch(nn.Module):
 
 
 MODELS = {"frozen": FrozenLayer, "tied": TiedWeights, "unused": UnusedBranch, "sometimes": SometimesBranch}
+UNUSED_SOMEWHERE = {"unused", "sometimes"}
 # (name, strategy, kwargs); "two" is replaced by the bucket size that makes exactly two buckets.
 STRATEGIES = [("naive", "naive", {}), ("flat", "flat", {}), ("overlap", "overlap", {}),
               ("bucketed-25MB", "bucketed", {}), ("bucketed-one", "bucketed", {"bucket_size_mb": None}),
@@ -126,9 +127,7 @@ def train(model: nn.Module, world_size: int, variant: str, rank: int | None) -> 
                     shard_loss(model, x, y, rank, world_size, step).backward()
             else:
                 shard_loss(model, x, y, rank, world_size, step).backward()
-        if rank is not None:
-            model.finish_gradient_synchronization()
-        opt.step()
+        opt.step()  # right after backward: it returns with the gradients averaged
         opt.zero_grad(set_to_none=variant != "keep-grads")
 
 
@@ -141,7 +140,8 @@ def train_every_case(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
         local = MODELS[model_name]()
         if kwargs.get("bucket_size_mb") == "two":
             kwargs = {"bucket_size_mb": two_bucket_size_mb(local)}
-        ddp = make_ddp(strategy, local, **kwargs)
+        # As with torch DDP, parameters that some rank leaves unused need find_unused_parameters=True.
+        ddp = make_ddp(strategy, local, find_unused_parameters=model_name in UNUSED_SOMEWHERE, **kwargs)
         train(ddp, world_size, variant, rank)
         train(reference, world_size, variant, rank=None)
         ref_state = reference.state_dict()

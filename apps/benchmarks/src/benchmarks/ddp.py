@@ -5,23 +5,24 @@ ranks, each rank with the same per-GPU batch. Every configuration is a freshly b
 (same seed), warmed up, then timed step by step with the device synchronized after each step; a
 step's time is the slowest rank's. Reported per configuration, mean and standard deviation:
 
-- step: forward + backward + gradient synchronization + optimizer step.
+- step: forward + backward (which returns with the gradients averaged) + optimizer step.
 - exposed comm: step time minus the single-GPU step time, i.e. the communication (and its
-  bookkeeping) not hidden behind backward. It is measured the same way for every strategy,
-  torch DDP included; its std combines both steps' (sqrt(s_step^2 + s_single^2)).
-- finish wait: the time ``finish_gradient_synchronization()`` holds the stream (CUDA events
-  around it; wall time on CPU): after backward, what is still in flight. Not defined for torch
-  DDP, which waits inside backward.
+  bookkeeping) not hidden behind backward; its std combines both steps' (sqrt(s_step^2 + s_single^2)).
+- overhead: the same from the medians (robust to the odd slow step), and ``/ torch``: that
+  overhead over torch DDP's at the same bucket size in the same run. With ``--nproc 1`` no byte
+  moves, so the overhead is each wrapper's own host and bookkeeping cost.
 - x single: step time / single-GPU step time.
 
 The single-GPU reference ("single") runs the same model, batch and optimizer with no wrapper, on
-every rank at once (so CPU runs share the cores the same way as the distributed ones).
-``torch`` is ``torch.nn.parallel.DistributedDataParallel`` with its defaults (25 MiB buckets)
-except ``broadcast_buffers=False``: the model's only buffers are constant RoPE tables, and the
-minddp wrappers do not re-broadcast buffers either. ``--bucket-mb`` lists bucket sizes for
-``bucketed`` (one row each).
+every rank at once (so CPU runs share the cores the same way as the distributed ones). ``torch``
+is ``torch.nn.parallel.DistributedDataParallel``, given the very arguments the minddp wrappers
+get (``device_ids``, ``gradient_as_bucket_view=True``, ``broadcast_buffers=False``: the model's
+only buffers are constant RoPE tables, and ``bucket_cap_mb``); ``--bucket-mb`` lists bucket sizes
+for ``bucketed`` and ``torch`` (one row each).
 
-Spawns one worker per GPU (or 2 CPU processes with gloo), or runs under torchrun unchanged:
+Spawns one worker per GPU (``--nproc 1``: one GPU alone, NCCL with world size 1), or 2 CPU
+processes with gloo, or runs under torchrun unchanged:
+    python -m benchmarks.ddp --nproc 1 --strategy bucketed,torch --size xl --precision bf16
     torchrun --nproc-per-node 2 -m benchmarks.ddp --strategy bucketed,torch
 """
 
@@ -30,10 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import math
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import pandas as pd
@@ -59,6 +60,7 @@ from minddp import make_ddp
 TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32",
              "--warmup", "1", "--steps", "2"]
 STRATEGIES = ["naive", "flat", "overlap", "bucketed", "torch"]
+BUCKET_SIZED = ("bucketed", "torch")  # one row per --bucket-mb
 SINGLE = "single"
 
 
@@ -77,9 +79,8 @@ class Setup:
 @dataclass
 class StepTimes:
     step_ms: list[float]
-    finish_ms: list[float]  # empty where the strategy has no finish_gradient_synchronization
     peak_gib: float
-    buckets: float  # gradient all-reduces per step of the overlapped minddp strategies; NaN otherwise
+    buckets: float  # gradient all-reduces per step of the minddp strategies; NaN otherwise
 
 
 def float_list(text: str) -> list[float]:
@@ -114,15 +115,18 @@ class _Clock:
 
 
 def wrap(model: nn.Module, strategy: str, bucket_mb: float | None, device: torch.device) -> nn.Module:
+    """``model`` wrapped by ``strategy``: torch DDP and minddp get the same torch DDP arguments."""
     if strategy == SINGLE:
         return model
+    kwargs: dict[str, object] = {"device_ids": [device.index] if device.type == "cuda" else None,
+                                 "gradient_as_bucket_view": True, "broadcast_buffers": False}
+    if strategy in BUCKET_SIZED:
+        kwargs["bucket_cap_mb"] = bucket_mb
     if strategy == "torch":
-        # Newer torch renamed broadcast_buffers; either way buffers are synced once, at construction.
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        no_buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                       **no_buffer_sync)
-    return make_ddp(strategy, model, **({"bucket_size_mb": bucket_mb} if strategy == "bucketed" else {}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch >= 2.13 prefers forward_sync_buffers
+            return DistributedDataParallel(model, **kwargs)
+    return make_ddp(strategy, model, **kwargs)
 
 
 def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device: torch.device) -> StepTimes:
@@ -135,7 +139,6 @@ def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device:
     with torch.device(device):
         model = TransformerLM(cfg, attention=setup.attention)
     ddp = wrap(model, strategy, bucket_mb, device)
-    finish = getattr(ddp, "finish_gradient_synchronization", None)
     buckets = len(ddp.bucket_names) if hasattr(ddp, "bucket_names") else math.nan
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator(device).manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
@@ -143,7 +146,6 @@ def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device:
                 else contextlib.nullcontext())
     clock = _Clock(device)
     step_ms: list[float] = []
-    finish_ms: list[float] = []
     for step in range(setup.warmup + setup.steps):
         tokens = random_batch(cfg, setup.batch, setup.context, device, generator)
         targets = random_batch(cfg, setup.batch, setup.context, device, generator)
@@ -151,23 +153,17 @@ def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device:
         with autocast:
             logits = ddp(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
-        backward_done = clock.now()
-        if finish is not None:
-            finish()
-        synced = clock.now()
+        loss.backward()  # returns with the gradients averaged
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         end = clock.now()
         clock.synchronize()
         if step >= setup.warmup:
             step_ms.append(clock.ms(start, end))
-            if finish is not None:
-                finish_ms.append(clock.ms(backward_done, synced))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    del ddp, model, optimizer, finish
+    del ddp, model, optimizer
     gc.collect()
-    return StepTimes(step_ms, finish_ms, peak, buckets)
+    return StepTimes(step_ms, peak, buckets)
 
 
 def slowest_rank(values: list[float], device: torch.device) -> list[float]:
@@ -190,39 +186,60 @@ def benchmark(setup: Setup, backend: str) -> list[dict[str, object]]:
     device = tensor_device(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = []
-    single_mean = single_std = math.nan
+    single_mean = single_std = single_median = math.nan
     for strategy, bucket_mb in ((SINGLE, None), *setup.runs):
         times = train_and_time(setup, strategy, bucket_mb, device)
         step_ms = slowest_rank(times.step_ms, device)
-        finish_ms = slowest_rank(times.finish_ms, device)
         peak = max(slowest_rank([times.peak_gib], device)) if device.type == "cuda" else math.nan
         step_mean, step_std = mean_std(step_ms)
+        step_median = statistics.median(step_ms)
         if strategy == SINGLE:
-            single_mean, single_std = step_mean, step_std
-        finish_mean, finish_std = mean_std(finish_ms)
+            single_mean, single_std, single_median = step_mean, step_std, step_median
         label = f"{strategy} {bucket_mb:g} MiB" if bucket_mb is not None else strategy
         rows.append({
             "strategy": strategy,
-            "bucket MiB": bucket_mb if bucket_mb is not None else (25.0 if strategy == "torch" else math.nan),
+            "bucket MiB": bucket_mb if bucket_mb is not None else math.nan,
             "ranks": 1 if strategy == SINGLE else world_size,
             "buckets": times.buckets,
-            "step ms": step_mean, "step std": step_std,
+            "step ms": step_mean, "step std": step_std, "step median ms": step_median,
             "exposed comm ms": step_mean - single_mean if strategy != SINGLE else 0.0,
             "exposed std": math.hypot(step_std, single_std) if strategy != SINGLE else 0.0,
-            "finish wait ms": finish_mean, "finish std": finish_std,
+            "overhead ms": step_median - single_median,
             "x single": step_mean / single_mean,
             "peak GiB": peak,
         })
         if rank == 0:
-            console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ({step_mean / single_mean:.3f}x single)")
+            console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ({step_mean / single_mean:.3f}x single, "
+                          f"overhead {step_median - single_median:+.2f} ms)")
+    return with_torch_ratio(rows)
+
+
+def with_torch_ratio(rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Add "/ torch": each row's overhead over torch DDP's, at the same bucket size where torch ran one."""
+    torch_rows = [r for r in rows if r["strategy"] == "torch"]
+    for row in rows:
+        same_size = [r for r in torch_rows if r["bucket MiB"] == row["bucket MiB"]] or torch_rows
+        row["/ torch"] = (row["overhead ms"] / same_size[0]["overhead ms"]
+                          if same_size and row["strategy"] != SINGLE else math.nan)
     return rows
+
+
+def print_overheads(df: pd.DataFrame) -> None:
+    """Each wrapper's overhead over the bare model, beside torch DDP's from the same run."""
+    for row in df[df["strategy"] != SINGLE].to_dict("records"):
+        size = "" if math.isnan(row["bucket MiB"]) else f" {row['bucket MiB']:g} MiB"
+        ratio = "" if math.isnan(row["/ torch"]) else f"  = {row['/ torch']:.2f}x torch DDP's"
+        console.print(f"  {row['strategy'] + size:<22} overhead {row['overhead ms']:+8.2f} ms over the bare "
+                      f"model{ratio}")
+    if not (df["strategy"] == "torch").any():
+        console.print("  (no torch row: add 'torch' to --strategy for the ratios)")
 
 
 def runs_from(strategies: list[str], bucket_mbs: list[float]) -> tuple[tuple[str, float | None], ...]:
     runs: list[tuple[str, float | None]] = []
     for strategy in strategies:
-        if strategy == "bucketed":
-            runs += [("bucketed", mb) for mb in bucket_mbs]
+        if strategy in BUCKET_SIZED:
+            runs += [(strategy, mb) for mb in bucket_mbs]
         else:
             runs.append((strategy, None))
     return tuple(runs)
@@ -234,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategy", type=str_list(STRATEGIES), default="all",
                         help=f"comma-separated among {', '.join(STRATEGIES)} (or 'all')")
     parser.add_argument("--bucket-mb", type=float_list, default="25",
-                        help="bucket sizes (MiB) for 'bucketed', one row each: e.g. 1,10,100,1000")
+                        help="bucket sizes (MiB) for 'bucketed' and 'torch', a row each: e.g. 1,10,100")
     parser.add_argument("--size", choices=list(MODEL_SIZES), default="xl" if has_gpu else "tiny",
                         help="reference model size (xl on a GPU, tiny without)")
     parser.add_argument("--attention", choices=["naive", "sdpa", "flash"], default="naive",
@@ -247,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="nccl" if has_gpu else "gloo",
                         help="nccl: one GPU per rank; gloo: CPU processes (nccl on a GPU, gloo without)")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks (default: every GPU for nccl, 2 for gloo; torchrun's under torchrun)")
+                        help="ranks (default: every GPU for nccl, 2 for gloo; torchrun's under torchrun); "
+                             "1: one GPU alone, where the overhead is the wrappers' own host cost")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before the workers are killed")
@@ -271,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     df = pd.DataFrame(rows)
     print_table(df, f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
                     f"{nproc} ranks ({args.backend})")
+    print_overheads(df)
     save_results(df, "ddp", args, metadata={"ranks": str(nproc), "backend": args.backend,
                                             "model": args.size, "precision": args.precision,
                                             "per-rank batch": f"{args.batch}x{args.context}"})

@@ -1,4 +1,5 @@
-"""Small, readable data-parallel wrappers over torch.distributed.
+"""Small, readable data-parallel wrappers over torch.distributed, each a drop-in for torch's
+DistributedDataParallel.
 
 Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce.
 """
@@ -11,9 +12,10 @@ from torch import nn
 
 from minddp.after_backward import FlatDDP, NaiveDDP
 from minddp.base import DataParallel
+from minddp.buckets import GradBucket
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 STRATEGIES: dict[str, type[DataParallel]] = {
     "naive": NaiveDDP,
@@ -26,12 +28,13 @@ STRATEGIES: dict[str, type[DataParallel]] = {
 def make_ddp(strategy: str, module: nn.Module, **kwargs: Any) -> DataParallel:
     """Wrap ``module`` with the strategy named ``strategy`` (a key of :data:`STRATEGIES`).
 
-    ``kwargs`` go to the wrapper: ``process_group`` for all, ``bucket_size_mb`` for ``"bucketed"``.
+    ``kwargs`` go to the wrapper: torch DDP's keyword arguments for all, ``bucket_size_mb`` (or
+    ``bucket_cap_mb``) for ``"bucketed"``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
     return STRATEGIES[strategy](module, **kwargs)
 
 
-__all__ = ["STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "NaiveDDP", "OverlapDDP", "make_ddp",
-           "__version__"]
+__all__ = ["STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "GradBucket", "NaiveDDP", "OverlapDDP",
+           "make_ddp", "__version__"]

@@ -1,4 +1,4 @@
-"""What every data-parallel wrapper shares: checks, the initial broadcast, no_sync and averaging.
+"""What every data-parallel wrapper shares: torch DDP's arguments, checks, buffers, no_sync, hooks and join.
 
 Every collective here is issued in the same order on every rank; anything that could make one
 rank raise while another goes on to the next collective is first agreed on by all ranks.
@@ -7,35 +7,70 @@ rank raise while another goes on to the next collective is first agreed on by al
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from minddp.collectives import all_gather_objects, backend_per_device_type, broadcast_coalesced, group_by_size
+from minddp.reducer import CommHook, Reducer
 
 # Backends whose all-reduce can average in place (ReduceOp.AVG); the others get a pre-scaled SUM.
 _BACKENDS_WITH_AVG = {"nccl"}
-_BROADCAST_CHUNK_BYTES = 256 * 2**20
-T = TypeVar("T", bound=torch.Tensor)
+# As in torch DDP, the first bucket is small so that communication starts with backward's first gradients.
+FIRST_BUCKET_MB = 1.0
+MiB = 2**20
+
+__all__ = ["DataParallel", "group_by_size"]
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Base class of the minddp wrappers: ``module`` replicated on every rank of ``process_group``.
 
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel``: its arguments have torch's
+    meaning, and ``loss.backward()`` returns with every ``.grad`` averaged over the ranks.
+    A strategy (subclass) sets the buckets (:attr:`max_bucket_bytes`, :attr:`first_bucket_bytes`)
+    and whether they are reduced during backward or after it (:attr:`overlap`).
+
     At construction it checks that every rank holds the same parameters and buffers (names,
-    shapes, dtypes, ``requires_grad``) on devices the group's backend can serve, then copies
-    rank 0's parameters and buffers to every rank. Subclasses decide when gradients are
-    communicated; after :meth:`finish_gradient_synchronization` every ``.grad`` holds the
-    average over the ranks.
+    shapes, dtypes, ``requires_grad``) on devices the group's backend can serve, and wraps them
+    the same way; then it copies rank 0's parameters (and buffers, if ``broadcast_buffers``) to
+    every rank.
 
     Args:
         module: the model; its forward is called unchanged.
+        device_ids: for a module on one CUDA device, ``None`` or ``[that device]``: inputs are
+            moved there before forward. ``None`` for CPU modules.
+        output_device: accepted for torch's sake (``None`` or ``device_ids[0]``); outputs stay
+            where the module puts them, as in torch DDP.
         process_group: the group to average over (default: the default group).
+        broadcast_buffers: copy rank 0's buffers to every rank at construction and at the start
+            of every forward whose backward is averaged (BatchNorm statistics stay in step).
+        find_unused_parameters: ``False``: every trainable parameter gets a gradient in every
+            averaged backward (no collective beyond the gradients'). ``True``: a parameter without
+            a gradient on some rank counts as zero there, and one no rank has a gradient for
+            keeps ``grad=None`` (one extra small all-reduce).
+        gradient_as_bucket_view: the ``.grad`` of a bucket's parameters are views of its flat
+            buffer (no copy out after averaging); ``False`` copies.
     """
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
+    #: The largest bucket in bytes (0: one parameter per bucket; inf: one bucket per device and dtype).
+    max_bucket_bytes: float = math.inf
+    #: The first bucket's limit, where it differs.
+    first_bucket_bytes: float | None = None
+    #: Reduce each bucket as soon as backward has produced it, rather than after backward.
+    overlap: bool = False
+
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, *,
+                 process_group: dist.ProcessGroup | None = None, broadcast_buffers: bool = True,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True) -> None:
+        nn.Module.__init__(self)
+        Joinable.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 f"{type(self).__name__} needs an initialized process group: call "
@@ -46,23 +81,73 @@ class DataParallel(nn.Module):
         if self.rank < 0:
             raise ValueError("process_group: this rank is not a member of the given process group")
         self.world_size = dist.get_world_size(self.process_group)
-        self._backends = _backend_per_device_type(self.process_group)
-        # parameters() yields a tied tensor once, so tied parameters are communicated once.
-        self._named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._params = [p for _, p in self._named_params]
-        self._sync_enabled = True
-        self._check_same_model_on_every_rank()
-        self._broadcast_from_rank0([*module.parameters(), *module.buffers()])
+        self.device_ids, self.output_device = _check_device_ids(module, device_ids, output_device)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self._backends = backend_per_device_type(self.process_group)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        # parameters() yields a tied tensor once, so tied parameters are communicated once.
+        named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named_params]
+        reverse_groups = group_by_size(params[::-1], self.max_bucket_bytes, self.first_bucket_bytes)
+        index = {id(p): i for i, p in enumerate(params)}
+        buckets = [[index[id(p)] for p in group] for group in reverse_groups]
+        self._check_same_on_every_rank(buckets)
+
+        self._comm_device = self._device_for_collectives(first=next(iter([*params, *module.buffers()]), None))
+        self._broadcast_from(0, [*module.parameters(), *(module.buffers() if self.broadcast_buffers else ())])
+        device = params[0].device if params else self._comm_device
+        average_in_collective = self._backends.get(device.type) in _BACKENDS_WITH_AVG
+        self._reducer = Reducer(named_params, buckets, self.process_group, average_in_collective,
+                                self.overlap, self.gradient_as_bucket_view, self.find_unused_parameters,
+                                self._comm_device)
+        self._sync_enabled = True  # torch DDP's require_backward_grad_sync: False inside no_sync()
+        self._buffers_due = True  # torch DDP's require_forward_param_sync: the last forward was averaged
+        self._divide_by_initial_world_size = True
+        self._has_buffers = any(True for _ in module.buffers())  # which ones is re-read at each sync
+
+    # --- training ---------------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        averaged = torch.is_grad_enabled() and self._sync_enabled
+        if averaged:
+            self._reducer.prepare_for_backward()
+        elif torch.is_grad_enabled():
+            self._reducer.accumulate_locally()
+        join_work = Join.notify_join_context(self)
+        self._reducer.divisor = self.world_size
+        if join_work is not None and not self._divide_by_initial_world_size:
+            join_work.wait()  # its result: how many ranks are still training
+            self._reducer.divisor = int(join_work.result()[0].item())
+        if self._buffers_to_sync():
+            self._broadcast_from(self._common_rank(True) if self._join_config.enable else 0,
+                                 list(self.module.buffers()))
+        if self._join_config.enable:
+            self._all_reduce_flag(averaged)
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
+        output = self.module(*inputs, **kwargs)
+        self._buffers_due = averaged
+        if averaged and self.find_unused_parameters:
+            # A rank whose loss reaches no parameter still has to take part in the averaging.
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._queue_finish)
+        return output
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """The parameter names of each bucket, in launch order."""
+        return [list(bucket.names) for bucket in self._reducer.buckets]
+
+    def _queue_finish(self, grad: torch.Tensor) -> None:
+        self._reducer.queue_finish()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next synchronized step averages the sum.
-
-        Inside, :meth:`finish_gradient_synchronization` does nothing.
-        """
+        """Forward and backward passes inside accumulate gradients locally; the next averaged step
+        averages the sum (as in torch DDP, what counts is where the forward runs)."""
         previous = self._sync_enabled
         self._sync_enabled = False
         try:
@@ -71,76 +156,99 @@ class DataParallel(nn.Module):
             self._sync_enabled = previous
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for the gradient all-reduces; afterwards every ``.grad`` is the average over the ranks.
+        """Kept for the CS336 assignment's interface: gradients are averaged by the time ``backward()``
+        returns, so nothing is ever pending here and this does nothing."""
 
-        Call it after ``backward()`` and before ``optimizer.step()``. A parameter that got no gradient
-        on some rank counts as a zero gradient there; one that got no gradient on any rank keeps
-        ``grad=None``, as it would without data parallelism.
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Average each bucket with ``hook(state, bucket)`` instead of an all-reduce, as torch DDP's
+        ``register_comm_hook``: ``bucket`` has ``GradBucket``'s methods and ``hook`` returns a
+        ``Future`` of the reduced flat tensor. torch's ``default_hooks`` (``allreduce_hook``,
+        ``fp16_compress_hook``, ``bf16_compress_hook``) work unchanged. Register once, before training."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if self._reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self._reducer.comm_hook, self._reducer.comm_hook_state = hook, state
+
+    # --- uneven inputs ----------------------------------------------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context manager for training on uneven inputs, as torch DDP's ``join()``.
+
+        Ranks that run out of data shadow the collectives of the others' iterations (contributing
+        zero gradients) until every rank is done; then every rank takes the model of the last rank
+        to finish. Gradients are divided by the initial world size, or, with
+        ``divide_by_initial_world_size=False``, by the number of ranks still training.
+        ``throw_on_early_termination=True`` raises on every rank as soon as one runs out instead.
         """
-        raise NotImplementedError
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
-    # --- helpers for the strategies ----------------------------------------------------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _DataParallelJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
-    def _all_reduce_mean(self, tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """All-reduce ``tensor`` in place to the mean over the ranks (AVG where the backend has it)."""
-        if self._backends.get(tensor.device.type) in _BACKENDS_WITH_AVG:
-            op = dist.ReduceOp.AVG
-        else:
-            if self.world_size > 1:
-                tensor.div_(self.world_size)
-            op = dist.ReduceOp.SUM
-        return dist.all_reduce(tensor, op=op, group=self.process_group, async_op=async_op)
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm_device
 
-    def _grads_or_zeros(self) -> list[torch.Tensor]:
-        """Each parameter's gradient, or zeros (a new tensor) where it has none on this rank."""
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
-    def _set_grads_used_anywhere(self, averaged: Sequence[torch.Tensor]) -> None:
-        """Make ``averaged`` the parameters' gradients, except where no rank had a gradient (those stay None).
+    # --- collectives beyond the gradients ----------------------------------------------------
 
-        Its one all-reduce (gradient counts) comes after the gradients' own, on every rank.
-        """
-        for p, grad, used in zip(self._params, averaged, self._used_on_any_rank(), strict=True):
-            if used and p.grad is not grad:
-                p.grad = grad
+    def _buffers_to_sync(self) -> bool:
+        return self.broadcast_buffers and self._buffers_due and self._has_buffers
 
-    def _used_on_any_rank(self) -> list[bool]:
-        """For each parameter, whether some rank holds a gradient for it now. One all-reduce on every rank.
+    def _broadcast_from(self, src: int, tensors: list[torch.Tensor]) -> None:
+        broadcast_coalesced(tensors, src, self.process_group)
 
-        The counts are read back (a device synchronization) only on a rank that lacks a gradient
-        itself: elsewhere every parameter has a gradient, so every one is used somewhere.
-        """
-        local = [p.grad is not None for p in self._params]
-        if not self._params:
-            return local
-        device = self._params[0].device
-        counts = torch.tensor(local, dtype=torch.int32, pin_memory=device.type == "cuda")
-        counts = counts.to(device, non_blocking=True)
-        dist.all_reduce(counts, group=self.process_group)
-        if all(local):
-            return local
-        return (counts > 0).tolist()
+    def _common_rank(self, candidate: bool) -> int:
+        """The highest rank among those passing ``candidate=True`` (one all-reduce)."""
+        rank = torch.tensor([self.rank if candidate else -1], device=self._comm_device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(rank.item())
+
+    def _all_reduce_flag(self, flag: bool) -> bool:
+        """Whether any rank passed ``flag=True``: the ones still training tell the joined ones whether
+        this iteration's backward is averaged. Waits only where ``flag`` is False."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self._comm_device)
+        work = dist.all_reduce(value, group=self.process_group, async_op=True)
+        if flag:
+            return True
+        work.wait()
+        return bool(value.item() != 0)
 
     # --- construction ------------------------------------------------------------------------
 
-    def _check_same_model_on_every_rank(self) -> None:
-        """Raise the same error on every rank if any rank's model differs from rank 0's or sits on a
-        device the backend cannot serve (one all_gather_object, so no rank is left waiting)."""
-        problem = self._local_device_problem()
+    def _config(self) -> dict[str, object]:
+        """What every rank must wrap alike, so that their collectives match."""
+        return {"strategy": type(self).__name__, "broadcast_buffers": self.broadcast_buffers,
+                "find_unused_parameters": self.find_unused_parameters}
+
+    def _check_same_on_every_rank(self, buckets: list[list[int]]) -> None:
+        """Raise the same error on every rank if any rank's model or wrapper differs from rank 0's, or sits
+        on a device the backend cannot serve (one all-gather, so no rank is left waiting)."""
         signature = [(f"parameter {n!r}", tuple(p.shape), str(p.dtype), p.requires_grad)
                      for n, p in self.module.named_parameters()]
         signature += [(f"buffer {n!r}", tuple(b.shape), str(b.dtype), False)
                       for n, b in self.module.named_buffers()]
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (problem, signature), group=self.process_group)
-        for rank, (rank_problem, _) in enumerate(gathered):
+        config = {**self._config(), "bucket sizes (parameters per bucket)": [len(b) for b in buckets]}
+        gathered = all_gather_objects((self._local_device_problem(), signature, config), self.process_group,
+                                      self._device_for_collectives(first=None))
+        for rank, (rank_problem, _, _) in enumerate(gathered):
             if rank_problem:
                 raise ValueError(f"rank {rank}: {rank_problem}")
-        reference = gathered[0][1]
-        for rank, (_, rank_signature) in enumerate(gathered[1:], start=1):
+        reference, reference_config = gathered[0][1], gathered[0][2]
+        for rank, (_, rank_signature, rank_config) in enumerate(gathered[1:], start=1):
             mismatch = _first_difference(reference, rank_signature, rank)
             if mismatch:
                 raise ValueError(f"module: {mismatch}; every rank must build the same model")
+            for key, value in reference_config.items():
+                if rank_config[key] != value:
+                    raise ValueError(f"{key}: {value!r} on rank 0 but {rank_config[key]!r} on rank {rank}; "
+                                     "every rank must wrap its model with the same strategy and arguments")
 
     def _local_device_problem(self) -> str | None:
         tensors = [*self.module.named_parameters(), *self.module.named_buffers()]
@@ -152,52 +260,99 @@ class DataParallel(nn.Module):
                         "(e.g. model.to(f'cuda:{local_rank}') for NCCL) before wrapping it")
         return None
 
-    def _broadcast_from_rank0(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Copy rank 0's values into ``tensors``, small ones coalesced into flat broadcasts of <= 256 MiB."""
-        source = dist.get_global_rank(self.process_group, 0)
-        with torch.no_grad():
-            for group in group_by_size(list(tensors), _BROADCAST_CHUNK_BYTES):
-                if len(group) == 1 and group[0].is_contiguous():
-                    dist.broadcast(group[0], src=source, group=self.process_group)
-                    continue
-                flat = torch.cat([t.reshape(-1) for t in group])
-                dist.broadcast(flat, src=source, group=self.process_group)
-                for t, chunk in zip(group, flat.split([t.numel() for t in group]), strict=True):
-                    t.copy_(chunk.view_as(t))
+    def _device_for_collectives(self, first: torch.Tensor | None) -> torch.device:
+        """``first``'s device if the backend serves it, else the CPU (gloo) or the current GPU (NCCL)."""
+        if first is not None and (not self._backends or first.device.type in self._backends):
+            return first.device
+        if not self._backends or "cpu" in self._backends:
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
 
-def group_by_size(tensors: Sequence[T], max_bytes: float,
-                  first_max_bytes: float | None = None) -> list[list[T]]:
-    """Consecutive runs of ``tensors`` of one device and dtype holding at most ``max_bytes`` each.
+class _DataParallelJoinHook(JoinHook):
+    """What a rank that has run out of data does while others train: the same collectives, with zeros."""
 
-    A tensor larger than the limit forms a group of its own; ``max_bytes=0`` gives one group per
-    tensor and ``math.inf`` one group per (device, dtype) run. ``first_max_bytes`` limits the
-    first group instead, where given.
-    """
-    groups: list[list[T]] = []
-    group_bytes = 0
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        current = groups[-1] if groups else None
-        limit = first_max_bytes if first_max_bytes is not None and len(groups) == 1 else max_bytes
-        if (current is None or (t.device, t.dtype) != (current[0].device, current[0].dtype)
-                or group_bytes + size > limit):
-            groups.append([t])
-            group_bytes = size
-        else:
-            current.append(t)
-            group_bytes += size
-    return groups
+    def __init__(self, ddp: DataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        if ddp._buffers_to_sync():
+            ddp._broadcast_from(ddp._common_rank(False), list(ddp.module.buffers()))
+        averaged = ddp._all_reduce_flag(False)
+        ddp._buffers_due = averaged
+        if averaged:
+            ddp._reducer.shadow_backward(ddp._divide_by_initial_world_size)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        ddp = self.ddp
+        buffers = list(ddp.module.buffers()) if ddp.broadcast_buffers else []
+        ddp._broadcast_from(ddp._common_rank(is_last_joiner), [*ddp.module.parameters(), *buffers])
 
 
-def _backend_per_device_type(group: dist.ProcessGroup) -> dict[str, str]:
-    """{'cpu': 'gloo', 'cuda': 'gloo'} for gloo, {'cuda': 'nccl'} for NCCL, from the group's backend config.
+def bucket_bytes(bucket_size_mb: float | None,
+                 argument: str = "bucket_size_mb") -> tuple[float, float | None]:
+    """(bucket limit, first bucket limit) in bytes for a bucket size in MiB; ``None``: one bucket."""
+    if bucket_size_mb is None:
+        return math.inf, None
+    if isinstance(bucket_size_mb, bool) or not (isinstance(bucket_size_mb, (int, float))
+                                                and 0 <= bucket_size_mb < math.inf):
+        raise ValueError(f"{argument} must be a non-negative number of MiB or None, got {bucket_size_mb!r}")
+    cap = bucket_size_mb * MiB
+    return cap, min(cap, FIRST_BUCKET_MB * MiB)
 
-    Empty where the config does not say (a third-party backend): then no device is refused here
-    and the backend raises its own error.
-    """
-    items = (item.split(":", 1) for item in str(dist.get_backend_config(group)).split(",") if ":" in item)
-    return {device.strip(): backend.strip() for device, backend in items}
+
+def _check_device_ids(module: nn.Module, device_ids: Sequence[int | torch.device] | None,
+                      output_device: int | torch.device | None) -> tuple[list[int] | None, int | None]:
+    """torch DDP's rule: device ids only for a module on one CUDA device, and then that device."""
+    devices = {p.device for p in module.parameters()}
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids can only be None or contain a single element, got {device_ids}")
+    if not device_ids:
+        if output_device is not None:
+            raise ValueError("output_device: only allowed together with device_ids, for a module on one "
+                             f"CUDA device; got output_device={output_device}, device_ids={device_ids}")
+        return None, None
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(f"device_ids and output_device only work with a module on one CUDA device; got "
+                         f"device_ids {list(device_ids)}, output_device {output_device}, and module "
+                         f"parameters on {sorted(map(str, devices))} (pass device_ids=None for CPU modules)")
+    index = _cuda_index(device_ids[0])
+    (module_device,) = devices
+    if index != module_device.index:
+        raise ValueError(f"device_ids: the module is on {module_device} but device_ids={list(device_ids)}")
+    output = index if output_device is None else _cuda_index(output_device)
+    return [index], output
+
+
+def _cuda_index(device: int | torch.device) -> int | None:
+    return device if isinstance(device, int) else torch.device(device).index
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (in tuples, lists and dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_to_device(x, device) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj`` (in tuples, lists and dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x)
 
 
 def _first_difference(reference: Sequence[tuple], other: Sequence[tuple], rank: int) -> str | None:

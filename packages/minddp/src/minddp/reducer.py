@@ -1,0 +1,195 @@
+"""Gradient averaging for the DDP wrappers: buckets reduced in a fixed order, finished inside backward.
+
+Every rank issues the same collectives in the same order: buckets are launched strictly in
+bucket order (reverse parameter order, roughly the order backward produces gradients), each
+as soon as it and every bucket before it are complete, or all at the end of backward for the
+strategies that do not overlap. When autograd has computed every gradient, a callback queued
+on the engine launches what is left (a parameter without a gradient counts as zeros), waits
+for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns with
+averaged gradients, as with torch DDP.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp.backward_callback import queue_at_end_of_backward
+from minddp.buckets import Bucket
+
+CommHook = Callable[[Any, Any], torch.futures.Future]
+
+
+class Reducer:
+    """Averages the gradients of ``named_params`` over ``process_group``, in ``buckets`` (lists of indices).
+
+    Per iteration: :meth:`prepare_for_backward` at a forward whose backward is to be averaged,
+    then the parameters' post-accumulate-grad hooks, then the end-of-backward callback.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], buckets: list[list[int]],
+                 process_group: dist.ProcessGroup, average_in_collective: bool, overlap: bool,
+                 gradient_as_bucket_view: bool, find_unused_parameters: bool,
+                 comm_device: torch.device) -> None:
+        self.params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        self.buckets = [Bucket(b, [self.params[i] for i in indices], [self.names[i] for i in indices],
+                               indices, gradient_as_bucket_view) for b, indices in enumerate(buckets)]
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.average_in_collective = average_in_collective  # the backend has ReduceOp.AVG
+        self.overlap = overlap
+        self.find_unused_parameters = find_unused_parameters
+        self.comm_device = comm_device
+        self.comm_hook: CommHook | None = None
+        self.comm_hook_state: Any = None
+        self.divisor = self.world_size  # fewer under join(divide_by_initial_world_size=False)
+        # Per iteration.
+        self.expecting = False  # a forward asked for this backward's gradients to be averaged
+        self.averaged = False  # they were, since the last forward
+        self.reset()
+        # The hooks hold the reducer weakly, and go away with it: a dropped wrapper leaves no hooks behind.
+        this = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, bucket, i))
+                   for bucket in self.buckets for p, i in zip(bucket.params, bucket.indices, strict=True)]
+        weakref.finalize(self, _remove_hooks, handles)
+
+    # --- the iteration ----------------------------------------------------------------------
+
+    def prepare_for_backward(self) -> None:
+        """A forward whose backward is to be averaged: start afresh, whatever an earlier failure left."""
+        if self.expecting:  # the last averaged forward's backward failed, or never ran
+            self.reset()
+        self.expecting, self.averaged = True, False
+
+    def reset(self) -> None:
+        """No gradient arrived, no bucket launched: waits for any launched by a backward that then failed
+        (on every rank, so their all-reduces complete)."""
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = bucket.reduced = None
+            bucket.remaining = len(bucket.params)
+        self.arrived = [False] * len(self.params)
+        self.next_to_launch = 0
+        self.finish_queued = False
+
+    def accumulate_locally(self) -> None:
+        """A forward under ``no_sync()``: its backward accumulates gradients without communicating."""
+        self.averaged = False
+
+    def grad_ready(self, bucket: Bucket, index: int) -> None:
+        if not self.expecting:
+            if self.averaged:
+                raise RuntimeError(
+                    f"parameter {self.names[index]!r} got a second gradient after this iteration's "
+                    "gradients were averaged: run forward again before another backward, or, to "
+                    "accumulate several backward passes, run all but the last forward inside no_sync()")
+            return
+        self.queue_finish()
+        self.arrived[index] = True
+        bucket.remaining -= 1
+        if self.overlap and bucket.remaining == 0 and bucket.index == self.next_to_launch:
+            buckets = self.buckets
+            while self.next_to_launch < len(buckets) and buckets[self.next_to_launch].remaining == 0:
+                self.launch(buckets[self.next_to_launch])
+
+    def queue_finish(self) -> None:
+        """Have the backward pass now running average the gradients before it returns (once per pass)."""
+        if self.expecting and not self.finish_queued:
+            queue_at_end_of_backward(self.finish)
+            self.finish_queued = True
+
+    def launch(self, bucket: Bucket) -> None:
+        bucket.pending = self.communicate(bucket, bucket.gather())
+        self.next_to_launch += 1
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, store the averages."""
+        for bucket in self.buckets[self.next_to_launch:]:
+            self.launch(bucket)
+        used = self.used_on_any_rank() if self.find_unused_parameters else None
+        missing = [] if all(self.arrived) else [
+            name for name, arrived in zip(self.names, self.arrived, strict=True) if not arrived]
+        for bucket in self.buckets:
+            bucket.scatter(self.wait(bucket.pending, bucket.reduced), used)
+        self.reset()
+        self.expecting, self.averaged = False, True
+        if missing and not self.find_unused_parameters:
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) got no gradient in this backward pass: "
+                f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}. With "
+                "find_unused_parameters=False (the default, as in torch DDP) every trainable parameter "
+                "must take part in the loss on every rank; pass find_unused_parameters=True if some "
+                "ranks or steps leave parameters unused")
+
+    def shadow_backward(self, divide_by_initial_world_size: bool) -> None:
+        """On a rank that has joined: the collectives of a backward pass, contributing zeros.
+
+        They must use the same reduction as the ranks still training: those divide by the world
+        size, or by how many of them are left (fewer than the world size, while one has joined).
+        """
+        self.divisor = self.world_size if divide_by_initial_world_size else 1
+        pending = []
+        for bucket in self.buckets:
+            zeros = torch.zeros(bucket.numel, dtype=bucket.params[0].dtype, device=bucket.params[0].device)
+            pending.append((self.communicate(bucket, zeros), zeros))
+        if self.find_unused_parameters:
+            self.all_reduce_used(torch.zeros(len(self.params), dtype=torch.int32, device=self.comm_device))
+        for work, zeros in pending:
+            self.wait(work, zeros)
+
+    # --- communication ----------------------------------------------------------------------
+
+    def communicate(self, bucket: Bucket, flat: torch.Tensor) -> torch.futures.Future | dist.Work:
+        """Start averaging ``flat``: the registered communication hook, or an all-reduce of the mean."""
+        if self.comm_hook is not None:
+            is_last = bucket.index == len(self.buckets) - 1
+            return self.comm_hook(self.comm_hook_state, bucket.for_hook(flat, is_last))
+        if self.average_in_collective and self.divisor == self.world_size:
+            return dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
+        if self.divisor > 1:
+            flat.div_(self.divisor)
+        return dist.all_reduce(flat, group=self.process_group, async_op=True)
+
+    def wait(self, pending: torch.futures.Future | dist.Work, flat: torch.Tensor) -> torch.Tensor:
+        """The averaged tensor, once ``pending`` (a hook's future or an all-reduce of ``flat``) is done."""
+        if self.comm_hook is None:
+            pending.wait()
+            return flat
+        result = pending.wait()
+        if not isinstance(result, torch.Tensor):
+            raise TypeError("a communication hook must return a torch.futures.Future whose value is the "
+                            f"bucket's reduced tensor; its future gave {type(result).__name__}")
+        return result
+
+    def used_on_any_rank(self) -> list[bool]:
+        """For each parameter, whether some rank holds a gradient for it. One all-reduce on every rank.
+
+        The counts are read back (a device synchronization) only on a rank that lacks a gradient
+        itself: elsewhere every parameter has one, so every one is used somewhere.
+        """
+        local = [p.grad is not None for p in self.params]
+        counts = torch.tensor(local, dtype=torch.int32).to(self.comm_device, non_blocking=True)
+        self.all_reduce_used(counts)
+        return local if all(local) else (counts > 0).tolist()
+
+    def all_reduce_used(self, counts: torch.Tensor) -> None:
+        dist.all_reduce(counts, group=self.process_group)
+
+
+def _grad_ready(reducer: weakref.ref[Reducer], bucket: Bucket, index: int, _param: torch.Tensor) -> None:
+    alive = reducer()
+    if alive is not None:
+        alive.grad_ready(bucket, index)
+
+
+def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
