@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import heapq
+import inspect
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
@@ -13,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from shardopt._collectives import all_gather_objects, all_gather_single, move_objects
+from shardopt._collectives import all_gather_objects, all_gather_single, move_objects, raise_on_every_rank
 
 StateDict = dict[str, Any]
 # Keys of a param group that are not hyperparameters.
@@ -35,6 +37,51 @@ def balanced_owners(sizes: Sequence[int], world_size: int) -> list[int]:
         owners[index] = rank
         heapq.heappush(loads, (load + sizes[index], rank))
     return owners
+
+
+class StateOnRank(dict):
+    """A shard's entry for a parameter whose optimizer state another rank holds: that rank's number.
+
+    It is an empty dict, so ``torch.distributed.checkpoint`` saves and loads nothing for it (the
+    owner's entry carries the tensors), yet present, so that DCP's strict loading finds an entry for
+    every parameter; and ``load_state_dict`` can tell a shard from a full state.
+    """
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StateOnRank) and other.rank == self.rank
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StateOnRank({self.rank})"
+
+    def __reduce__(self) -> tuple[type[StateOnRank], tuple[int]]:
+        return StateOnRank, (self.rank,)
+
+
+class _ShardForCheckpoint(dict):
+    """``state_dict()`` where no full state was consolidated: this rank's shard, for DCP only.
+
+    ``torch.distributed.checkpoint`` reads its entries; ``torch.save`` (pickling) refuses it, because
+    whoever pickles ``state_dict()`` expects the full state. Copies keep the refusal.
+    """
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(
+            "state_dict: this is one rank's shard of the optimizer state, not the full state: nothing was "
+            "consolidated on this rank since the last step(). Call consolidate_state_dict(to=r) on every "
+            "rank, then save state_dict() on rank r; save sharded_state_dict() to keep a rank's shard on "
+            "purpose, or use torch.distributed.checkpoint")
+
+    def __copy__(self) -> _ShardForCheckpoint:
+        return _ShardForCheckpoint(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ShardForCheckpoint:
+        return _ShardForCheckpoint(copy.deepcopy(dict(self), memo))
 
 
 class ShardedOptimizer(Optimizer):
@@ -65,6 +112,7 @@ class ShardedOptimizer(Optimizer):
         self._optimizer_kwargs = kwargs
         self._local_optimizer: Optimizer | None = None
         self._owners: list[int] = []
+        self._consolidated: StateDict | None = None  # set on rank `to` by consolidate_state_dict
         super().__init__(param_groups, defaults=dict(kwargs))
         self._reshard()
 
@@ -92,6 +140,7 @@ class ShardedOptimizer(Optimizer):
                 "params: a parameter's storage was replaced after the ShardedOptimizer was built "
                 "(model.to(), param.data = ..., load_state_dict(assign=True)?); the optimizer keeps every "
                 "parameter in a flat buffer, so build it once the model has its final device and dtype")
+        self._consolidated = None  # the parameters move on: a consolidated state would be stale
         self._push_hyperparameters()
         loss = self.local_optimizer.step(closure, **kwargs) if closure is not None \
             else self.local_optimizer.step(**kwargs)
@@ -111,25 +160,46 @@ class ShardedOptimizer(Optimizer):
         param_group = _as_param_groups([param_group], "param_group")[0]
         _common_device([*param_group["params"], self._params()[0]], "param_group")
         super().add_param_group(param_group)
+        self._consolidated = None
         self._reshard()
 
     def state_dict(self) -> StateDict:
-        """This rank's shard: ``torch.optim`` format, state only for the parameters this rank owns.
+        """The full state on the rank that consolidated it; elsewhere, this rank's shard.
 
-        Parameter ids are global (positions in ``param_groups`` order), and ``"shard"`` records
-        which rank of how many saved it. To change the number of ranks, save
-        :meth:`consolidate_state_dict` instead.
+        After :meth:`consolidate_state_dict` ``(to=r)`` and until the next :meth:`step`, rank ``r``
+        gets the full state, as ZeroRedundancyOptimizer's ``state_dict()`` does: what
+        ``optimizer_cls`` over all parameters would return (CPU copies), loadable there or into a
+        ShardedOptimizer on any number of ranks. Otherwise it is :meth:`sharded_state_dict`, which
+        ``torch.distributed.checkpoint`` (calling ``state_dict()`` on every rank) saves as one checkpoint,
+        and which ``torch.save`` refuses with a RuntimeError: saved alone, a shard is not a full state.
+        """
+        if self._consolidated is None:
+            return _ShardForCheckpoint(self.sharded_state_dict())
+        full = self._consolidated
+        return {**full, "state": {i: dict(s) for i, s in full["state"].items()},
+                "param_groups": [dict(g) for g in full["param_groups"]]}
+
+    def sharded_state_dict(self) -> StateDict:
+        """This rank's shard, in ``torch.optim`` format with one entry per parameter (global ids).
+
+        The parameters this rank owns map to their state (live tensors, as ``torch.optim`` returns
+        them; ``{}`` where there is none yet); every other parameter maps to a :class:`StateOnRank`
+        naming its owner. ``load_state_dict`` takes it back on any layout where each rank owns only
+        parameters whose state it holds (the same layout, typically); ``torch.distributed.checkpoint``
+        saves the shards of all ranks as one checkpoint that loads on any number of ranks.
         """
         shard = super().state_dict()
-        shard["shard"] = {"rank": self.rank, "world_size": self.world_size, "params": self._local_ids()}
+        held = shard["state"]
+        shard["state"] = {index: held.get(index, {}) if owner == self.rank else StateOnRank(owner)
+                          for index, owner in enumerate(self._owners)}
         return shard
 
     def consolidate_state_dict(self, to: int = 0) -> StateDict | None:
-        """Gather the full state dict on rank ``to`` of ``process_group``; ``None`` on the other ranks.
+        """Gather the full state on rank ``to`` of ``process_group`` for :meth:`state_dict` there.
 
-        Call it on every rank. The result is what ``optimizer_cls`` over all parameters would return
-        from ``state_dict()`` (load it there, or into a ShardedOptimizer on any number of ranks);
-        its tensors are copies on the CPU.
+        Call it on every rank. Until the next :meth:`step`, ``state_dict()`` on rank ``to`` returns the
+        full state: what ``optimizer_cls`` over all parameters would return from ``state_dict()``, with
+        its tensors copied to the CPU. It is also returned there (``None`` on the other ranks).
         """
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"to: expected a rank of process_group (0..{self.world_size - 1}), got {to!r}")
@@ -137,33 +207,55 @@ class ShardedOptimizer(Optimizer):
         outgoing = {} if self.rank == to else {i: (to, self.state[params[i]]) for i in self._local_ids()
                                                 if self.state.get(params[i])}
         received = move_objects(outgoing, self.process_group, self.device, torch.device("cpu"))
+        self._consolidated = None
         if self.rank != to:
             return None
         full = super().state_dict()
         full["state"] = dict(sorted({**_cpu_copy(full["state"]), **received}.items()))
-        return full
+        self._consolidated = full
+        return self.state_dict()
 
     def load_state_dict(self, state_dict: StateDict) -> None:
-        """Load a full state dict (from :meth:`consolidate_state_dict` or ``optimizer_cls``), on every rank.
+        """Load a state dict on every rank; each rank keeps the state of the parameters it owns.
 
-        Each rank keeps the state of the parameters it owns, so a run saved on N ranks resumes on M.
-        A shard from :meth:`state_dict` loads only where this rank owns no parameter the shard lacks.
+        A full state (from :meth:`state_dict` after :meth:`consolidate_state_dict`, or from
+        ``optimizer_cls`` itself) loads on any number of ranks, as does what
+        ``torch.distributed.checkpoint`` loads. A shard from :meth:`sharded_state_dict` loads only
+        where no rank owns a parameter whose state it lacks; otherwise every rank raises ValueError.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
-        saved_groups = _check_state_dict(state_dict, self.param_groups)
+        problem, local_state_dict = self._local_part(state_dict)
+        raise_on_every_rank(problem, self.process_group, self.device)
+        assert local_state_dict is not None
+        self._consolidated = None
+        self.local_optimizer.load_state_dict(local_state_dict)
+        self.state = self.local_optimizer.state
+        for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
+            for key in [k for k in group if k not in _GROUP_MEMBERS]:
+                del group[key]
+            group.update(_hyperparameters(local))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _local_part(self, state_dict: Any) -> tuple[str | None, StateDict | None]:
+        """(problem, None) if this rank cannot load ``state_dict``, else (None, its local optimizer part)."""
+        try:
+            saved_groups = _check_state_dict(state_dict, self.param_groups)
+        except ValueError as error:
+            return str(error), None
         local_ids = self._local_ids()
-        shard = state_dict.get("shard")
-        if shard is not None:
-            missing = sorted(set(local_ids) - set(shard["params"]))
-            if missing:
-                raise ValueError(
-                    f"state_dict: holds rank {shard['rank']}'s shard of a {shard['world_size']}-rank layout, "
-                    f"without the state of parameter(s) {missing[:8]} that rank {self.rank} of "
-                    f"{self.world_size} owns now; to change the number of ranks or the param groups, "
-                    "save consolidate_state_dict() and load that on every rank")
         # Saved ids pair with our parameters by position, as in torch.optim.Optimizer.load_state_dict.
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        saved_state = state_dict["state"]
+        elsewhere = {p: saved_state[saved_ids[p]].rank for p in local_ids
+                     if isinstance(saved_state.get(saved_ids[p]), StateOnRank)}
+        if elsewhere:
+            return (f"state_dict: it is a shard without the state of parameter(s) {sorted(elsewhere)[:8]}, "
+                    f"which rank {self.rank} of {self.world_size} owns now (the shard's rank(s) "
+                    f"{sorted(set(elsewhere.values()))} held it); to change the number of ranks or the param "
+                    "groups, save the full state (consolidate_state_dict(to=r), then state_dict() on rank r) "
+                    "or use torch.distributed.checkpoint"), None
         local_index = {global_index: i for i, global_index in enumerate(local_ids)}
         local_groups, start = [], 0
         for group in saved_groups:
@@ -174,16 +266,9 @@ class ShardedOptimizer(Optimizer):
                 local_group["param_names"] = [group["param_names"][p - start] for p in positions]
             local_groups.append(local_group)
             start = end
-        local_state = {local_index[p]: state_dict["state"][saved_ids[p]]
-                       for p in local_ids if saved_ids[p] in state_dict["state"]}
-        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
-        self.state = self.local_optimizer.state
-        for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
-            for key in [k for k in group if k not in _GROUP_MEMBERS]:
-                del group[key]
-            group.update(_hyperparameters(local))
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
+        local_state = {local_index[p]: saved_state[saved_ids[p]] for p in local_ids
+                       if saved_state.get(saved_ids[p])}
+        return None, {"state": local_state, "param_groups": local_groups}
 
     # --- sharding -----------------------------------------------------------------------------------
 
@@ -285,6 +370,17 @@ def _check_optimizer_cls(optimizer_cls: Any) -> None:
     if issubclass(optimizer_cls, ShardedOptimizer):
         raise TypeError("optimizer_cls: ShardedOptimizer cannot shard itself; pass the optimizer to run on "
                         "each shard, such as torch.optim.AdamW")
+    # Each rank steps only its own parameters, so the update of a parameter may depend on its gradient
+    # and its own state only. A step that needs a closure (a line search re-evaluating the loss) also
+    # takes reductions over all parameters, which no shard can take alone.
+    closure = inspect.signature(optimizer_cls.step).parameters.get("closure")
+    if issubclass(optimizer_cls, torch.optim.LBFGS) or (
+            closure is not None and closure.default is inspect.Parameter.empty):
+        raise ValueError(
+            f"optimizer_cls: {optimizer_cls.__name__} needs more than per-parameter state (its step() "
+            "re-evaluates a closure and takes dot products over all parameters), so it cannot run on a "
+            "shard; ShardedOptimizer takes optimizers whose update of each parameter depends on that "
+            "parameter's gradient and state alone, such as SGD, Adam, AdamW, Adagrad, RMSprop or Adafactor")
 
 
 def _as_param_groups(params: Any, argument: str) -> list[dict[str, Any]]:
