@@ -443,8 +443,24 @@ CHECKS: dict[str, tuple[Callable[[Path], None], tuple[int, ...]]] = {
 }
 
 
+def without_numpy(what: str) -> str | None:
+    """Why a check of ``what`` (a part of torch that needs numpy) cannot run here, or None if it can."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return f"{what} needs numpy, which this environment lacks (shardopt does not need it)"
+    return None
+
+
+# Checks that this environment cannot run, and why (each skipped by the test that would run it).
+UNAVAILABLE: dict[str, str | None] = {
+    "zero_redundancy_optimizer_interop": without_numpy("ZeroRedundancyOptimizer.consolidate_state_dict"),
+    "distributed_checkpoint_between_world_sizes": without_numpy("torch.distributed.checkpoint"),
+}
+
+
 def checks_for(world_size: int) -> list[str]:
-    return [name for name, (_, sizes) in CHECKS.items() if world_size in sizes]
+    return [name for name, (_, sizes) in CHECKS.items() if world_size in sizes and not UNAVAILABLE.get(name)]
 
 
 def launch(world_size: int, results_dir: Path, backend: str = "gloo",

@@ -42,7 +42,6 @@ class LineSearchSGD(torch.optim.SGD):
 
 @pytest.mark.parametrize("optimizer_cls", [torch.optim.LBFGS, LineSearchSGD])
 def test_optimizers_that_need_more_than_per_parameter_state_are_refused(optimizer_cls):
-XX
     with pytest.raises(ValueError, match=f"^optimizer_cls: {optimizer_cls.__name__} needs more than "
                                          "per-parameter state"):
         ShardedOptimizer(linear_params(), optimizer_cls, lr=0.1)
