@@ -1,4 +1,4 @@
-"""ShardedOptimizer: optimizer-state sharding (ZeRO stage 1) around any torch.optim.Optimizer."""
+"""ShardedOptimizer: optimizer-state sharding (ZeRO stage 1) around a per-parameter torch.optim optimizer."""
 
 from __future__ import annotations
 
