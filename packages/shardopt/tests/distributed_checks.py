@@ -29,7 +29,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
+import shardopt.optimizer
 from shardopt import ShardedOptimizer, StateOnRank
 
 DEVICE = torch.device("cpu")  # main() sets each rank's GPU under NCCL
@@ -309,6 +311,60 @@ def check_edge_layouts(_: Path) -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def check_overlapped_param_gather_matches_unsharded(_: Path) -> None:
+    """overlap_with=model: step() leaves the all-gathers in flight, each forward waits for its buckets."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(6)], nn.Linear(8, 3))
+    layers = layers.to(DEVICE)
+    # Both under DDP: its gradient mean (g + g + g) / 3 may round differently from g itself.
+    model, reference = DistributedDataParallel(layers), DistributedDataParallel(copy.deepcopy(layers))
+    bucket_bytes, shardopt.optimizer.OVERLAP_BUCKET_BYTES = shardopt.optimizer.OVERLAP_BUCKET_BYTES, 256
+    try:  # small buckets, so that the parameters travel in several all-gathers
+        optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, overlap_with=model, lr=1e-2)
+    finally:
+        shardopt.optimizer.OVERLAP_BUCKET_BYTES = bucket_bytes
+    assert len(optimizer._flat_buffers) > 1, "this check needs several buckets"
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    all_gather = shardopt.optimizer.all_gather_single
+    shardopt.optimizer.all_gather_single = DeferredAllGather
+    try:
+        for step in range(4):
+            inputs = torch.randn(5, 8, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+            losses = []
+            for m, o in ((model, optimizer), (reference, reference_optimizer)):
+                o.zero_grad()
+                loss = m(inputs).square().mean()
+                loss.backward()
+                o.step()
+                losses.append(loss.detach())
+            assert torch.equal(*losses), f"step {step}: the forward did not see the gathered parameters"
+        optimizer.finish_param_gather()
+    finally:
+        shardopt.optimizer.all_gather_single = all_gather
+    assert_equal_params(model, reference, "after overlapped steps")
+    outsider = nn.Parameter(torch.zeros(3, device=DEVICE))
+    expect_error(lambda: ShardedOptimizer([outsider], torch.optim.SGD, overlap_with=model, lr=0.1),
+                 ValueError, "overlap_with")
+    expect_error(lambda: optimizer.add_param_group({"params": [outsider]}), ValueError, "param_group")
+
+
+class DeferredAllGather:
+    """An async all-gather whose result reaches ``output`` only when waited for.
+
+    The gather itself is real; deferring the copy makes a missing wait show, where gloo's own async
+    all-gather usually completes before anyone looks.
+    """
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        assert async_op, "overlap_with launches its all-gathers asynchronously"
+        self.output, self.result = output, torch.empty_like(output)
+        dist.all_gather_into_tensor(self.result, input, group=group)
+
+    def wait(self) -> None:
+        self.output.copy_(self.result)
+
+
 def check_bad_input_fails_on_every_rank(_: Path) -> None:
     rank, world_size = world()
     model = ParamBag([10, 20, 30])
@@ -437,6 +493,7 @@ CHECKS: dict[str, tuple[Callable[[Path], None], tuple[int, ...]]] = {
     "shard_where_full_state_belongs": (check_a_shard_where_a_full_state_belongs_fails_on_every_rank, (2, 3)),
     "zero_redundancy_optimizer_interop": (check_zero_redundancy_optimizer_loads_the_same_state, (2, 3)),
     "edge_layouts": (check_edge_layouts, (2, 3)),
+    "overlapped_param_gather": (check_overlapped_param_gather_matches_unsharded, (2, 3)),
     "bad_input_fails_on_every_rank": (check_bad_input_fails_on_every_rank, (2, 3)),
     "reshard_between_two_and_three_ranks": (check_reshard_between_two_and_three_ranks, (3,)),
     "distributed_checkpoint_between_world_sizes": (check_distributed_checkpoint_between_world_sizes, (3,)),

@@ -12,12 +12,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from shardopt._collectives import all_gather_objects, all_gather_single, move_objects, raise_on_every_rank
 
 StateDict = dict[str, Any]
+# With overlap_with, the parameter all-gather is split into buckets of at least this many bytes (DDP's
+# default bucket size), so that the first layers' parameters arrive while later ones are still on the way.
+OVERLAP_BUCKET_BYTES = 25 * 2**20
 # Keys of a param group that are not hyperparameters.
 _GROUP_MEMBERS = ("params", "param_names")
 
@@ -53,6 +57,9 @@ class StateOnRank(dict):
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StateOnRank) and other.rank == self.rank
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -95,11 +102,17 @@ class ShardedOptimizer(Optimizer):
     Gradients must already be identical on every rank (a DDP wrapper's job) when :meth:`step`
     runs. Construct it after the model has its final device and dtype, with the same parameters,
     in the same order, on every rank; call :meth:`add_param_group` on every rank too.
+
+    With ``overlap_with=model`` (opt-in, as it changes when parameters are up to date), :meth:`step`
+    returns as soon as the all-gathers are launched, one per bucket of parameters, and a forward
+    pre-hook on each submodule of ``model`` waits for the buckets of its own parameters: the
+    all-gather overlaps the next forward. Until then, parameters owned by other ranks hold their
+    values from before the step; call :meth:`finish_param_gather` before reading them elsewhere.
     """
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-                 optimizer_cls: type[Optimizer], process_group: ProcessGroup | None = None,
-                 **kwargs: Any) -> None:
+                 optimizer_cls: type[Optimizer], process_group: ProcessGroup | None = None, *,
+                 overlap_with: nn.Module | None = None, **kwargs: Any) -> None:
         _check_optimizer_cls(optimizer_cls)
         param_groups = _as_param_groups(params, "params")
         if not any(group["params"] for group in param_groups):
@@ -113,8 +126,14 @@ class ShardedOptimizer(Optimizer):
         self._local_optimizer: Optimizer | None = None
         self._owners: list[int] = []
         self._consolidated: StateDict | None = None  # set on rank `to` by consolidate_state_dict
+        self._overlap_with = _check_overlap_module(overlap_with, param_groups)
+        self._pending: list[dist.Work | None] = []  # per flat buffer: its all-gather, while in flight
         super().__init__(param_groups, defaults=dict(kwargs))
         self._reshard()
+        if self._overlap_with is not None:
+            for module in self._overlap_with.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    module.register_forward_pre_hook(self._wait_for_own_params)
 
     # --- public API ---------------------------------------------------------------------------------
 
@@ -140,14 +159,21 @@ class ShardedOptimizer(Optimizer):
                 "params: a parameter's storage was replaced after the ShardedOptimizer was built "
                 "(model.to(), param.data = ..., load_state_dict(assign=True)?); the optimizer keeps every "
                 "parameter in a flat buffer, so build it once the model has its final device and dtype")
+        self.finish_param_gather()  # the last step's gather reads this rank's region, which we update
         self._consolidated = None  # the parameters move on: a consolidated state would be stale
         self._push_hyperparameters()
         loss = self.local_optimizer.step(closure, **kwargs) if closure is not None \
             else self.local_optimizer.step(**kwargs)
-        for flat, shard_numel in self._flat_buffers:
-            all_gather_single(flat, flat.narrow(0, self.rank * shard_numel, shard_numel),
-                              group=self.process_group)
+        overlap = self._overlap_with is not None
+        self._pending = [all_gather_single(flat, flat.narrow(0, self.rank * shard_numel, shard_numel),
+                                           group=self.process_group, async_op=overlap)
+                         for flat, shard_numel in self._flat_buffers]
         return loss
+
+    def finish_param_gather(self) -> None:
+        """Wait for the parameter all-gathers of the last :meth:`step` (only ``overlap_with`` leaves any)."""
+        for bucket in range(len(self._pending)):
+            self._wait_for_bucket(bucket)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (on every rank); shards rebalance, existing state moves with its parameter."""
@@ -159,6 +185,8 @@ class ShardedOptimizer(Optimizer):
                             f"got {type(param_group).__name__}")
         param_group = _as_param_groups([param_group], "param_group")[0]
         _common_device([*param_group["params"], self._params()[0]], "param_group")
+        self._check_overlap_covers(param_group["params"])
+        self.finish_param_gather()
         super().add_param_group(param_group)
         self._consolidated = None
         self._reshard()
@@ -188,6 +216,7 @@ class ShardedOptimizer(Optimizer):
         parameters whose state it holds (the same layout, typically); ``torch.distributed.checkpoint``
         saves the shards of all ranks as one checkpoint that loads on any number of ranks.
         """
+        self.finish_param_gather()
         shard = super().state_dict()
         held = shard["state"]
         shard["state"] = {index: held.get(index, {}) if owner == self.rank else StateOnRank(owner)
@@ -203,6 +232,7 @@ class ShardedOptimizer(Optimizer):
         """
         if not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(f"to: expected a rank of process_group (0..{self.world_size - 1}), got {to!r}")
+        self.finish_param_gather()
         params = self._params()
         outgoing = {} if self.rank == to else {i: (to, self.state[params[i]]) for i in self._local_ids()
                                                 if self.state.get(params[i])}
@@ -225,6 +255,7 @@ class ShardedOptimizer(Optimizer):
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = pre_hook(self, state_dict) or state_dict
+        self.finish_param_gather()
         problem, local_state_dict = self._local_part(state_dict)
         raise_on_every_rank(problem, self.process_group, self.device)
         assert local_state_dict is not None
@@ -282,7 +313,14 @@ class ShardedOptimizer(Optimizer):
         """Assign parameters to ranks, move existing state to its new owner, rebuild buffers and optimizer."""
         params = self._params()
         self._check_same_parameters_on_every_rank()
-        owners = balanced_owners([p.numel() * p.element_size() for p in params], self.world_size)
+        sizes = [p.numel() * p.element_size() for p in params]
+        buckets = self._buckets(params)
+        owners = [0] * len(params)
+        # Overlapping gathers balance every bucket on its own, so no rank's region of one is mostly padding.
+        for balanced in (buckets if self._overlap_with is not None else [range(len(params))]):
+            for index, owner in zip(balanced, balanced_owners([sizes[i] for i in balanced], self.world_size),
+                                    strict=True):
+                owners[index] = owner
         # Existing parameters keep their positions (add_param_group appends), so old ids stay valid.
         outgoing = {i: (owners[i], self.state[params[i]]) for i in self._local_ids()
                     if owners[i] != self.rank and self.state.get(params[i])}
@@ -290,7 +328,7 @@ class ShardedOptimizer(Optimizer):
         kept = {i: self.state[params[i]] for i in self._local_ids()
                 if owners[i] == self.rank and self.state.get(params[i])}
         self._owners = owners
-        self._layout_flat_buffers(params)
+        self._layout_flat_buffers(params, buckets)
         self._build_local_optimizer({**kept, **arrived})
 
     def _check_same_parameters_on_every_rank(self) -> None:
@@ -304,21 +342,45 @@ class ShardedOptimizer(Optimizer):
                 f"differ; digests by rank: {digests}); every rank must pass the same parameters in the "
                 "same order")
 
-    def _layout_flat_buffers(self, params: list[torch.Tensor]) -> None:
-        """Make every parameter a view into one flat buffer per dtype: rank 0's shard, rank 1's, ...
+    def _buckets(self, params: list[torch.Tensor]) -> list[list[int]]:
+        """Parameter indices by flat buffer: one per dtype, or with overlap_with, runs of them in order.
 
-        Each rank's region is padded to the largest shard so that one in-place all-gather per dtype
-        updates every parameter; the padding is at most one largest parameter per rank.
+        An overlapping bucket closes once it holds OVERLAP_BUCKET_BYTES and world_size times its
+        largest parameter, so that its shards can be balanced (whole parameters go to ranks).
         """
         by_dtype: dict[torch.dtype, list[int]] = {}
         for index, p in enumerate(params):
             by_dtype.setdefault(p.dtype, []).append(index)
+        if self._overlap_with is None:
+            return list(by_dtype.values())
+        buckets: list[list[int]] = []
+        for indices in by_dtype.values():
+            bucket: list[int] = []
+            for i in indices:
+                bucket.append(i)
+                sizes = [params[j].numel() * params[j].element_size() for j in bucket]
+                if sum(sizes) >= max(OVERLAP_BUCKET_BYTES, self.world_size * max(sizes)):
+                    buckets.append(bucket)
+                    bucket = []
+            if bucket:
+                buckets.append(bucket)
+        return buckets
+
+    def _layout_flat_buffers(self, params: list[torch.Tensor], buckets: list[list[int]]) -> None:
+        """Make every parameter a view into its bucket's flat buffer: rank 0's shard, rank 1's, ...
+
+        Each rank's region is padded to the largest shard so that one in-place all-gather per bucket
+        updates its parameters; the padding is at most one largest parameter per rank.
+        """
+        self.finish_param_gather()
         self._flat_buffers: list[tuple[torch.Tensor, int]] = []
-        for dtype, indices in by_dtype.items():
+        self._bucket_of: dict[torch.Tensor, int] = {}
+        for indices in buckets:
             per_rank = [[i for i in indices if self._owners[i] == rank] for rank in range(self.world_size)]
             shard_numel = max(sum(params[i].numel() for i in shard) for shard in per_rank)
             if shard_numel == 0:
                 continue
+            dtype = params[indices[0]].dtype
             flat = torch.zeros(self.world_size * shard_numel, dtype=dtype, device=self.device)
             for rank, shard in enumerate(per_rank):
                 offset = rank * shard_numel
@@ -327,8 +389,27 @@ class ShardedOptimizer(Optimizer):
                     view.copy_(params[i].detach())
                     params[i].data = view
                     offset += params[i].numel()
+                    self._bucket_of[params[i]] = len(self._flat_buffers)
             self._flat_buffers.append((flat, shard_numel))
+        self._pending = [None] * len(self._flat_buffers)
         self._param_pointers = [p.data_ptr() for p in params]
+
+    def _wait_for_bucket(self, bucket: int) -> None:
+        work = self._pending[bucket]
+        if work is not None:
+            work.wait()  # on CUDA, makes the current stream wait, without blocking the host
+            self._pending[bucket] = None
+
+    def _wait_for_own_params(self, module: nn.Module, _: Any) -> None:
+        """Forward pre-hook (overlap_with): the module's own parameters must have arrived."""
+        for param in module.parameters(recurse=False):
+            bucket = self._bucket_of.get(param)
+            if bucket is not None:
+                self._wait_for_bucket(bucket)
+
+    def _check_overlap_covers(self, params: list[torch.Tensor]) -> None:
+        if self._overlap_with is not None:
+            _check_overlap_module(self._overlap_with, [{"params": params}], "param_group")
 
     def _build_local_optimizer(self, states: dict[int, dict[str, Any]]) -> None:
         """optimizer_cls over this rank's shard, group by group (empty groups kept so indices line up)."""
@@ -381,6 +462,23 @@ def _check_optimizer_cls(optimizer_cls: Any) -> None:
             "re-evaluates a closure and takes dot products over all parameters), so it cannot run on a "
             "shard; ShardedOptimizer takes optimizers whose update of each parameter depends on that "
             "parameter's gradient and state alone, such as SGD, Adam, AdamW, Adagrad, RMSprop or Adafactor")
+
+
+def _check_overlap_module(module: Any, param_groups: list[dict[str, Any]],
+                          argument: str = "overlap_with") -> nn.Module | None:
+    """The module whose forward pre-hooks wait for the parameters; it must own every one of them."""
+    if module is None:
+        return None
+    if not isinstance(module, nn.Module):
+        raise TypeError("overlap_with: expected the nn.Module that uses the parameters, "
+                        f"got {type(module).__name__}")
+    known = set(module.parameters())
+    params = chain.from_iterable(g["params"] for g in param_groups)
+    outside = [i for i, p in enumerate(params) if p not in known]
+    if outside:
+        raise ValueError(f"{argument}: parameter(s) {outside[:8]} are not parameters of the overlap_with "
+                         "module, so no forward pre-hook of it would wait for them after step()")
+    return module
 
 
 def _as_param_groups(params: Any, argument: str) -> list[dict[str, Any]]:
