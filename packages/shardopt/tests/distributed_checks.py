@@ -415,6 +415,8 @@ def check_reshard_between_two_and_three_ranks(tmp: Path) -> None:
 def check_distributed_checkpoint_between_world_sizes(tmp: Path) -> None:
     """get/set_optimizer_state_dict + dcp.save/load, default options: 2 -> 3 and 3 -> 1 ranks, exactly.
 
+    Checkpoints also move from the unsharded AdamW to ShardedOptimizer and back.
+
     The 3-rank save also takes a ZeroRedundancyOptimizer-style checkpoint in the same iteration,
     which must not disturb DCP (rank 0 then gives DCP the full state, the others their shards).
     """
@@ -463,7 +465,16 @@ def check_distributed_checkpoint_between_world_sizes(tmp: Path) -> None:
             train(model, optimizer, range(3, 6))
             assert_equal_params(model, reference, f"after moving {name} with torch.distributed.checkpoint")
         dist.barrier()
-    if rank == 0:  # the same checkpoints load into the unsharded optimizer
+    # The unsharded optimizer's DCP checkpoint (every rank holds all the state) loads into the sharded one.
+    model = ParamBag(sizes)
+    optimizer = torch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.1)
+    train(model, optimizer, range(3))
+    save(model, optimizer, tmp / "unsharded", None)
+    model, optimizer = fresh(None)
+    load(model, optimizer, tmp / "unsharded", None)
+    train(model, optimizer, range(3, 6))
+    assert_equal_params(model, reference, "after resuming AdamW's DCP checkpoint in ShardedOptimizer")
+    if rank == 0:  # the sharded checkpoints load into the unsharded optimizer
         for name, path in [("dcp", tmp / "3to1"), ("zero_idiom", None)]:
             model, optimizer = fresh(single, sharded=False)
             if path is None:
