@@ -96,8 +96,9 @@ class ShardedOptimizer(Optimizer):
 
     Every parameter belongs to exactly one rank of ``process_group`` (shards balanced by bytes).
     ``optimizer_cls(**kwargs)`` runs over the local shard; :meth:`step` updates the shard and then
-    all-gathers the updated parameters, one collective per parameter dtype: the parameters live
-    as views into one flat buffer per dtype, laid out rank by rank, so the gather is in place.
+    all-gathers the updated parameters, one collective per parameter dtype (per bucket with
+    ``overlap_with``): the parameters live as views into one flat buffer per dtype (per bucket),
+    laid out rank by rank, so the gather is in place.
 
     Gradients must already be identical on every rank (a DDP wrapper's job) when :meth:`step`
     runs. Construct it after the model has its final device and dtype, with the same parameters,
@@ -186,7 +187,6 @@ class ShardedOptimizer(Optimizer):
         param_group = _as_param_groups([param_group], "param_group")[0]
         _common_device([*param_group["params"], self._params()[0]], "param_group")
         self._check_overlap_covers(param_group["params"])
-        self.finish_param_gather()
         super().add_param_group(param_group)
         self._consolidated = None
         self._reshard()
