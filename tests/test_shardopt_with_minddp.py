@@ -72,9 +72,9 @@ def train_both_ways(strategy: str) -> None:
             where = f"step {step}, parameter {i}"
             assert torch.equal(p, q), f"{where}: sharded differs from DDP + AdamW"
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}, single: {m}")
-    full = sharded_optimizer.consolidate_state_dict(to=0)
+    sharded_optimizer.consolidate_state_dict(to=0)  # ZeroRedundancyOptimizer's idiom
     if rank == 0:
-        expected = single_optimizer.state_dict()
+        full, expected = sharded_optimizer.state_dict(), single_optimizer.state_dict()
         assert full["param_groups"] == expected["param_groups"]
         for index, state in expected["state"].items():
             for key, value in state.items():

@@ -33,6 +33,28 @@ def linear_params():
     return list(nn.Linear(4, 3).parameters())
 
 
+class LineSearchSGD(torch.optim.SGD):
+    """A stand-in for an optimizer whose step() must re-evaluate the loss."""
+
+    def step(self, closure):  # noqa: D102
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.LBFGS, LineSearchSGD])
+def test_optimizers_that_need_more_than_per_parameter_state_are_refused(optimizer_cls):
+    with pytest.raises(ValueError, match=f"^optimizer_cls: {optimizer_cls.__name__} needs more than "
+                                         "per-parameter state"):
+        ShardedOptimizer(linear_params(), optimizer_cls, lr=0.1)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta", "Adamax", "NAdam",
+                                  "RAdam", "Rprop", "ASGD", "Adafactor", "Muon"])
+def test_per_parameter_optimizers_pass_the_check(name, one_rank_group):
+    if not hasattr(torch.optim, name):
+        pytest.skip(f"torch {torch.__version__} has no torch.optim.{name}")
+    ShardedOptimizer([nn.Parameter(torch.zeros(3, 2))], getattr(torch.optim, name), lr=0.1)
+
+
 @pytest.mark.parametrize(("params", "optimizer_cls", "error", "argument"), [
     (linear_params, nn.Linear, TypeError, "optimizer_cls"),
     (linear_params, "adamw", TypeError, "optimizer_cls"),

@@ -1,6 +1,6 @@
-"""Optimizer-state sharding (ZeRO stage 1) for any torch.optim.Optimizer."""
+"""Optimizer-state sharding (ZeRO stage 1) for per-parameter torch.optim optimizers."""
 
-from shardopt.optimizer import ShardedOptimizer, balanced_owners
+from shardopt.optimizer import ShardedOptimizer, StateOnRank, balanced_owners
 
-__all__ = ["ShardedOptimizer", "balanced_owners"]
-__version__ = "0.1.0"
+__all__ = ["ShardedOptimizer", "StateOnRank", "balanced_owners"]
+__version__ = "0.2.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,8 +32,22 @@ def all_gather_objects(obj: Any, group: ProcessGroup, device: torch.device) -> l
     own = gathered.narrow(0, rank * longest, longest)
     own[: payload.numel()] = payload
     all_gather_single(gathered, own, group=group)
-    host = gathered.cpu().numpy().tobytes()
+    host_copy = gathered.cpu()
+    host = ctypes.string_at(host_copy.data_ptr(), host_copy.numel())  # the bytes, without needing numpy
     return [pickle.loads(host[r * longest: r * longest + n]) for r, n in enumerate(lengths_list)]
+
+
+def raise_on_every_rank(problem: str | None, group: ProcessGroup, device: torch.device) -> None:
+    """Raise ValueError on every rank if any rank found a ``problem``, so no rank goes on alone.
+
+    Each rank's message is its own problem, or else the first other rank's, naming that rank.
+    """
+    problems = all_gather_objects(problem, group, device)
+    if problem is not None:
+        raise ValueError(problem)
+    for rank, other in enumerate(problems):
+        if other is not None:
+            raise ValueError(f"{other} (found on rank {rank} of process_group; every rank raises)")
 
 
 @dataclass(frozen=True)
