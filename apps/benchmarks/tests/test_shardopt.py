@@ -17,10 +17,11 @@ def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
     memory, meta = read_results(tmp_path / "cpu" / "shardopt_memory.csv")
     assert meta["world_size"] == "2" and meta["model"] == "tiny" and "CPU" in meta["memory_accounting"]
     assert "peak_MB" not in memory.columns  # no allocator peak on CPU, so no made-up column
-    assert len(memory) == 9
+    assert len(memory) == 12
     by = memory.set_index(["optimizer", "phase"])
     assert by["parameters_MB"].nunique() == 1
-    for name in ("AdamW (unsharded)", "ShardedOptimizer", "ZeroRedundancyOptimizer"):
+    for name in ("AdamW (unsharded)", "ShardedOptimizer", "ShardedOptimizer (overlap_with)",
+                 "ZeroRedundancyOptimizer"):
         assert by.loc[(name, "after init"), "gradients_MB"] == 0
         assert by.loc[(name, "after init"), "optimizer_state_MB"] == 0
         assert by.loc[(name, "before step"), "gradients_MB"] == by.loc[(name, "before step"), "parameters_MB"]
@@ -28,7 +29,7 @@ def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
     # AdamW keeps two moments per parameter; the sharded ones hold about half of that on each rank.
     params = by.loc[("AdamW (unsharded)", "after step"), "parameters_MB"]
     assert unsharded == pytest.approx(2 * params, rel=1e-3)
-    for name in ("ShardedOptimizer", "ZeroRedundancyOptimizer"):
+    for name in ("ShardedOptimizer", "ShardedOptimizer (overlap_with)", "ZeroRedundancyOptimizer"):
         assert 0.4 * unsharded < by.loc[(name, "after step"), "optimizer_state_MB"] < 0.75 * unsharded
 
     goal, _ = read_results(tmp_path / "cpu" / "shardopt_goal.csv")
@@ -59,7 +60,8 @@ def test_runs_under_torchrun(tmp_path):
 def record(params, grads, state, peak, iteration_s=0.5, step_s=0.1, largest=0):
     phase = {"parameters": params, "gradients": grads, "optimizer state": state, "peak": peak}
     return {"memory": {p: phase for p in ("after init", "before step", "after step")},
-            "iteration_s": iteration_s, "step_s": step_s, "largest_param_state": largest}
+            "iteration_s": iteration_s, "back_to_back_s": iteration_s, "step_s": step_s,
+            "largest_param_state": largest}
 
 
 def test_cuda_tables_take_the_worst_rank_and_other_is_peak_minus_tensors():
