@@ -1,6 +1,7 @@
 """Small, readable data-parallel wrappers over torch.distributed.
 
-Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce.
+Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce;
+and FSDP, which shards parameters, gradients and optimizer state (ZeRO stage 3).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from torch import nn
 
 from minddp.after_backward import FlatDDP, NaiveDDP
 from minddp.base import DataParallel
+from minddp.fsdp import FSDP
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
 __version__ = "0.1.0"
@@ -33,5 +35,5 @@ def make_ddp(strategy: str, module: nn.Module, **kwargs: Any) -> DataParallel:
     return STRATEGIES[strategy](module, **kwargs)
 
 
-__all__ = ["STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "NaiveDDP", "OverlapDDP", "make_ddp",
-           "__version__"]
+__all__ = ["FSDP", "STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "NaiveDDP", "OverlapDDP",
+           "make_ddp", "__version__"]
