@@ -23,14 +23,17 @@ _BACKENDS_WITH_AVG = {"nccl"}
 class PendingReduce:
     """A reduce-scatter in flight; :meth:`wait` returns this rank's shard of the mean."""
 
-    def __init__(self, work: dist.Work | None, result: torch.Tensor, divide_by: int) -> None:
+    def __init__(self, work: dist.Work | None, source: torch.Tensor, result: torch.Tensor,
+                 divide_by: int) -> None:
         self._work = work
+        self._source = source  # the collective reads it until done
         self._result = result
         self._divide_by = divide_by
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
+        self._source = None
         return self._result.div_(self._divide_by) if self._divide_by > 1 else self._result
 
 
@@ -62,9 +65,9 @@ class FlatCollectives:
         if self._flat_reduce:
             shard = full.new_empty(full.numel() // self.world_size)
             work = _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=True)
-            return PendingReduce(work, shard, divide_by)
+            return PendingReduce(work, full, shard, divide_by)
         work = dist.all_reduce(full, op=op, group=self.group, async_op=True)
-        return PendingReduce(work, full.chunk(self.world_size)[self.rank], divide_by)
+        return PendingReduce(work, full, full.chunk(self.world_size)[self.rank], divide_by)
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` over the ranks, in place."""
