@@ -27,7 +27,6 @@ Spawns one worker per GPU (or 2 CPU processes with gloo), or runs under torchrun
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import inspect
@@ -45,9 +44,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import (
     console,
+    float_list,
     free_device_memory,
     make_parser,
+    nonnegative_int,
     parse_args,
+    positive_float,
+    positive_int,
     print_table,
     save_results,
     str_list,
@@ -80,16 +83,6 @@ class StepTimes:
     finish_ms: list[float]  # empty where the strategy has no finish_gradient_synchronization
     peak_gib: float
     buckets: float  # gradient all-reduces per step of the overlapped minddp strategies; NaN otherwise
-
-
-def float_list(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not (0 <= v < math.inf) for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative finite numbers, got {text!r}")
-    return values
 
 
 class _Clock:
@@ -242,15 +235,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16" if has_gpu else "fp32",
                         help="fp32, or bf16 autocast: parameters, gradients and their all-reduce stay fp32 "
                              "(bf16 on a GPU, fp32 without)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU (per rank)")
-    parser.add_argument("--context", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per GPU (per rank)")
+    parser.add_argument("--context", type=positive_int, default=256, help="tokens per sequence")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="nccl" if has_gpu else "gloo",
                         help="nccl: one GPU per rank; gloo: CPU processes (nccl on a GPU, gloo without)")
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", type=positive_int, default=None,
                         help="ranks (default: every GPU for nccl, 2 for gloo; torchrun's under torchrun)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the workers are killed")
+    parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration")
+    parser.add_argument("--timeout", type=positive_float, default=1800,
+                        help="seconds before the workers are killed")
     args = parse_args(parser, argv)
     if args.batch < 1 or args.context < 1:
         parser.error("--batch and --context must be positive")

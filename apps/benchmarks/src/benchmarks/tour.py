@@ -10,7 +10,7 @@ import importlib
 import time
 import traceback
 
-from benchmarks.common import console, make_parser, parse_args
+from benchmarks.common import ResultsNotSaved, console, make_parser, parse_args, str_list
 
 # The report comes last: it reads what the others wrote.
 EXPERIMENTS = ["precision", "e2e", "attention", "flash", "allreduce", "ddp", "shardopt", "accounting",
@@ -20,14 +20,10 @@ EXPERIMENTS = ["precision", "e2e", "attention", "flash", "allreduce", "ddp", "sh
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("tour", __doc__)
     parser.set_defaults(results_dir="out/tour")
-    parser.add_argument("--only", default=",".join(EXPERIMENTS),
+    parser.add_argument("--only", type=str_list(EXPERIMENTS), default=",".join(EXPERIMENTS),
                         help="comma-separated experiments to run, in this order")
     args = parse_args(parser, argv)
-    names = [n for n in args.only.split(",") if n]
-    unknown = [n for n in names if n not in EXPERIMENTS]
-    if unknown:
-        parser.error(f"--only: unknown experiment(s) {', '.join(unknown)}; "
-                     f"choose from {', '.join(EXPERIMENTS)}")
+    names = args.only
     shared = ["--results-dir", str(args.results_dir)] + (["--no-save"] if args.no_save else [])
     outcomes = []
     for name in names:
@@ -35,9 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         console.rule(f"[bold]python -m benchmarks.{name} {' '.join(module.TOUR_ARGS)}")
         start = time.perf_counter()
         try:
-            module.main([*module.TOUR_ARGS, *shared])
-            outcomes.append((name, "ok", time.perf_counter() - start))
-        except Exception:
+            status = module.main([*module.TOUR_ARGS, *shared])
+            ok = not (isinstance(status, int) and status != 0)  # mains return an exit status, a table or None
+            outcomes.append((name, "ok" if ok else "FAILED", time.perf_counter() - start))
+        except (Exception, ResultsNotSaved):  # a failed save ends that experiment, not the tour
             console.print(traceback.format_exc(), style="red")
             outcomes.append((name, "FAILED", time.perf_counter() - start))
     console.rule("[bold]tour")

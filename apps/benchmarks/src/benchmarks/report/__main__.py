@@ -1,3 +1,3 @@
 from benchmarks.report.build import main
 
-main()
+raise SystemExit(main())

@@ -8,7 +8,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from benchmarks.common import console, make_parser, parse_args
+from benchmarks.common import console, make_parser, parse_args, write_atomically
 from benchmarks.report.core import Context, ResultFile, Section, choose_device, load_results, render_tables
 from benchmarks.report.registry import SECTIONS
 
@@ -67,10 +67,16 @@ def render_section(section: Section, results: list[ResultFile], out_dir: Path,
     return lines, ctx.plots
 
 
-def build_report(results_dir: Path, out: Path) -> tuple[Path, list[Path]]:
-    """Write the report and its plots; returns the report's path and the plots written."""
+def build_report(results_dir: Path, out: Path,
+                 unreadable: list[str] | None = None) -> tuple[Path, list[Path]]:
+    """Write the report and its plots; returns the report's path and the plots written.
+
+    Results files that do not parse are left out, named at the top of the report, and appended
+    to ``unreadable``.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = load_results(results_dir)
+    skipped: list[str] = []
+    results = load_results(results_dir, skipped)
     devices = sorted({f.device for f in results})
     body: list[str] = []
     plots: list[Path] = []
@@ -89,7 +95,12 @@ def build_report(results_dir: Path, out: Path) -> tuple[Path, list[Path]]:
         *(f"- [{s.title}](#{_anchor(s.title)})" for s in SECTIONS),
         "",
     ]
-    out.write_text("\n".join(header + body).rstrip() + "\n")
+    if skipped:
+        header += ["**Not read**: these files do not parse as results files (cut short or torn), so nothing "
+                   "below comes from them; measure them again:", "", *(f"- `{s}`" for s in skipped), ""]
+    write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    if unreadable is not None:
+        unreadable += skipped
     return out, plots
 
 
@@ -99,7 +110,8 @@ def _anchor(title: str) -> str:
     return kept.replace(" ", "-")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command; exit status 1 when some results file did not parse (the report says which)."""
     import benchmarks.report
 
     parser = make_parser("report", benchmarks.report.__doc__ or "")
@@ -110,15 +122,21 @@ def main(argv: list[str] | None = None) -> None:
             action.help = "print the report instead of writing it and its plots"
     parser.add_argument("--out", type=Path, default=Path("docs/report.md"),
                         help="the report; plots are written beside it")
-    args = parse_args(parser, argv)
+    args = parse_args(parser, argv, writes_results=False)
+    unreadable: list[str] = []
     if not args.results_dir.is_dir():
         console.print(f"[yellow]--results-dir {args.results_dir} does not exist: every section will say "
                       "'not measured yet'[/yellow]")
     if args.no_save:  # build it where it harms nothing, show the text
         with tempfile.TemporaryDirectory() as scratch:
-            path, _ = build_report(args.results_dir, Path(scratch) / args.out.name)
+            path, _ = build_report(args.results_dir, Path(scratch) / args.out.name, unreadable)
             console.print(path.read_text(), markup=False, highlight=False, soft_wrap=True)
-        return
-    path, plots = build_report(args.results_dir, args.out)
-    console.print(f"wrote {path} and {len(plots)} plot(s)")
+    else:
+        path, plots = build_report(args.results_dir, args.out, unreadable)
+        console.print(f"wrote {path} and {len(plots)} plot(s)")
+    if unreadable:
+        console.print(f"[red]{len(unreadable)} results file(s) did not parse and were left out: "
+                      f"{'; '.join(unreadable)}[/red]")
+        return 1
+    return 0
 

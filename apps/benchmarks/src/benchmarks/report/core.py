@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from benchmarks.common import OOM, console, read_results  # noqa: E402
+from benchmarks.common import OOM, UnreadableResults, console, read_results  # noqa: E402
 
 NOT_GPU = {"cpu", "analytic"}
 MAX_TABLE_ROWS = 60
@@ -37,14 +37,20 @@ class ResultFile:
     meta: dict[str, str]
 
 
-def load_results(results_dir: Path) -> list[ResultFile]:
-    """Every results CSV under results_dir/<device>/; unreadable files are reported and skipped."""
+def load_results(results_dir: Path, unreadable: list[str] | None = None) -> list[ResultFile]:
+    """Every results CSV under results_dir/<device>/.
+
+    A file that does not parse (cut short, torn, foreign) is skipped with a warning, and the
+    reason appended to ``unreadable``: its numbers must not reach the report as NaN cells.
+    """
     files = []
     for path in sorted(Path(results_dir).glob("*/*.csv")):
         try:
             df, meta = read_results(path)
-        except Exception as exc:  # a half-written or foreign CSV must not take the whole report down
+        except (UnreadableResults, OSError) as exc:
             console.print(f"[yellow]skipping {path}: {exc}[/yellow]")
+            if unreadable is not None:
+                unreadable.append(str(exc) if isinstance(exc, UnreadableResults) else f"{path}: {exc}")
             continue
         files.append(ResultFile(path, path.parent.name, path.stem, df, meta))
     return files
