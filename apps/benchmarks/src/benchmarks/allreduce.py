@@ -42,7 +42,7 @@ from benchmarks.common import (
     save_results,
     str_list,
 )
-from benchmarks.launch import launch, tensor_device, under_torchrun
+from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import synchronize
 
 TOUR_ARGS = ["--backends", "gloo", "--world-sizes", "2", "--sizes-mb", "1,10", "--iters", "5"]

@@ -55,9 +55,9 @@ from benchmarks.common import (
     save_results,
     str_list,
 )
-from benchmarks.launch import default_nproc, launch, tensor_device
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import make_ddp
+from minddp.launch import default_nproc, launch, tensor_device
 
 TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32",
              "--warmup", "1", "--steps", "2"]

@@ -21,7 +21,7 @@ Goal: optimizer-state bytes per rank <= unsharded / N + the state of one largest
 a step no slower than ZeroRedundancyOptimizer's in the same run.
 
 Runs on 2 GPUs (NCCL) when there are 2 (XL model), else on 2 CPU processes (gloo, tiny model).
-Spawns its workers itself (benchmarks.launch), or runs under torchrun:
+Spawns its workers itself (minddp.launch), or runs under torchrun:
     torchrun --nproc-per-node 2 -m benchmarks.shardopt
 """
 
@@ -53,9 +53,9 @@ from benchmarks.common import (
     save_results,
     str_list,
 )
-from benchmarks.launch import launch, tensor_device, under_torchrun
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
 from minddp import STRATEGIES, make_ddp
+from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
 from profkit.timing import total_mean
 from shardopt import ShardedOptimizer
