@@ -282,3 +282,12 @@ def test_unique_temporary_names(tmp_path):
     common.write_atomically(target, "b\n")
     assert target.read_text() == "b\n" and [p.name for p in tmp_path.iterdir()] == [target.name]
     assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~common._UMASK)
+
+
+def test_derived_cells_within_noise_are_marked_not_printed_as_facts():
+    df = pd.DataFrame({"exposed ms": [-1.5, 30.0, 0.0], "exposed std": [4.0, 4.0, float("nan")],
+                       "x single": [0.98, 1.3, 1.0]})
+    shown = common.mark_noise(df, "exposed ms", "exposed std", {"exposed ms": "~0", "x single": "~1"})
+    assert shown["exposed ms"].tolist() == ["~0 (noise)", 30.0, 0.0]
+    assert shown["x single"].tolist() == ["~1 (noise)", 1.3, 1.0]
+    assert df["exposed ms"].tolist() == [-1.5, 30.0, 0.0]  # the data itself is kept

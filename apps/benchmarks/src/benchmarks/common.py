@@ -39,6 +39,7 @@ console = Console(soft_wrap=True)  # long lines are not cut or folded at 80 colu
 T = TypeVar("T")
 OOM = "OOM"
 UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
+NOISE = "(noise)"  # a derived cell whose inputs differ by less than their spread: "~0 (noise)"
 
 
 def device() -> torch.device:
@@ -245,6 +246,27 @@ def to_markdown(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
     return shown.to_markdown(index=False, disable_numparse=True,
                              colalign=["right" if pd.api.types.is_numeric_dtype(df[c]) else "left"
                                        for c in df.columns] or None)
+
+
+def within_noise(difference: float, spread: float) -> bool:
+    """Whether a measured difference is smaller than its spread (one std of the difference), so its
+    sign, and any ratio built from it, is not a finding."""
+    return not math.isnan(difference) and not math.isnan(spread) and abs(difference) < spread
+
+
+def mark_noise(df: pd.DataFrame, difference: str, spread: str, derived: dict[str, str]) -> pd.DataFrame:
+    """A copy for printing in which, on rows where ``difference`` is within ``spread``, each column of
+    ``derived`` reads its value there (``{"exposed ms": "~0", "x single": "~1"}``) followed by NOISE.
+
+    The numbers stay in the saved results (with the spread beside them); what is printed as a
+    finding is only what the measurement can tell apart.
+    """
+    noisy = [within_noise(d, s) for d, s in zip(pd.to_numeric(df[difference], errors="coerce"),
+                                                pd.to_numeric(df[spread], errors="coerce"), strict=True)]
+    shown = df.astype({column: object for column in derived})
+    for column, near in derived.items():
+        shown.loc[noisy, column] = f"{near} {NOISE}"
+    return shown
 
 
 def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> None:

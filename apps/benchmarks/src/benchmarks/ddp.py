@@ -47,6 +47,7 @@ from benchmarks.common import (
     float_list,
     free_device_memory,
     make_parser,
+    mark_noise,
     nonnegative_int,
     parse_args,
     positive_float,
@@ -60,7 +61,7 @@ from minddp import make_ddp
 from minddp.launch import default_nproc, launch, tensor_device
 
 TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32",
-             "--warmup", "1", "--steps", "2"]
+             "--warmup", "2", "--steps", "8"]  # enough steps on CPU for a spread to compare with
 STRATEGIES = ["naive", "flat", "overlap", "bucketed", "torch"]
 SINGLE = "single"
 
@@ -263,8 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     if rows is None:  # a torchrun rank other than 0
         return
     df = pd.DataFrame(rows)
-    print_table(df, f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
-                    f"{nproc} ranks ({args.backend})")
+    print_table(mark_noise(df, "exposed comm ms", "exposed std", {"exposed comm ms": "~0", "x single": "~1"}),
+                f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
+                f"{nproc} ranks ({args.backend})")
     save_results(df, "ddp", args, metadata={"ranks": str(nproc), "backend": args.backend,
                                             "model": args.size, "precision": args.precision,
                                             "per-rank batch": f"{args.batch}x{args.context}"})

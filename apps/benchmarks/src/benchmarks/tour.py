@@ -2,6 +2,10 @@
 
 Each experiment module has ``main(argv)`` and ``TOUR_ARGS``, the arguments of its short run
 (small CPU sizes without a GPU; the experiment picks real sizes when it finds one).
+
+Without a GPU the tour shows that every experiment runs end to end; its timings are a few
+steps of tiny models on shared CPU cores, and it says so. Where a table has a spread, a
+difference within it prints as "~0 (noise)", not as a finding.
 """
 
 from __future__ import annotations
@@ -10,8 +14,14 @@ import importlib
 import time
 import traceback
 
+import torch
+
 from benchmarks.common import ResultsNotSaved, console, make_parser, parse_args, str_list
 
+CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models on "
+            "shared CPU cores). They show that each experiment runs, not how fast anything is: a difference "
+            "within its spread prints as '~0 (noise)', and a sign or ratio from them is not a finding. "
+            "Performance figures come from GPU runs (docs/report.md).")
 # The report comes last: it reads what the others wrote.
 EXPERIMENTS = ["precision", "e2e", "attention", "flash", "allreduce", "ddp", "shardopt", "accounting",
                "report"]
@@ -25,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, argv)
     names = args.only
     shared = ["--results-dir", str(args.results_dir)] + (["--no-save"] if args.no_save else [])
+    if not torch.cuda.is_available():
+        console.print(CPU_NOTE)
     outcomes = []
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
@@ -43,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [name for name, outcome, _ in outcomes if outcome != "ok"]
     console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran"
                   + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if not torch.cuda.is_available():
+        console.print(CPU_NOTE)
     return 1 if failed else 0
 
 

@@ -6,6 +6,7 @@ import math
 
 import pandas as pd
 
+from benchmarks.common import NOISE, within_noise
 from benchmarks.report.allreduce import fit_allreduce
 from benchmarks.report.core import (
     Context,
@@ -35,6 +36,19 @@ def ddp_labels(df: pd.DataFrame) -> pd.Series:
     return pd.Series(labels, index=df.index)
 
 
+def noise_flags(df: pd.DataFrame) -> pd.Series:
+    """Rows whose difference from one device (exposed comm) is within its recorded spread."""
+    if not {"exposed comm ms", "exposed std"} <= set(df.columns):
+        return pd.Series(False, index=df.index)
+    return pd.Series([within_noise(d, s) for d, s in zip(numeric(df["exposed comm ms"]),
+                                                          numeric(df["exposed std"]), strict=True)],
+                     index=df.index)
+
+
+def against_single(row: pd.Series, ref: float) -> str:
+    return "within noise of single" if row["noise"] else f"{row['step'] / ref:.3f}x single"
+
+
 def render_ddp(ctx: Context) -> list[str]:
     lines: list[str] = []
     for f in ctx.files:
@@ -46,30 +60,45 @@ def render_ddp(ctx: Context) -> list[str]:
         if missing:
             lines.append(missing_note("The analysis", missing))
             continue
-        df = df.assign(step=numeric(df["step ms"]), label=ddp_labels(df))
+        df = df.assign(step=numeric(df["step ms"]), label=ddp_labels(df), noise=noise_flags(df))
         single = df[df["strategy"] == "single"]["step"]
         dist = df[(df["strategy"] != "single") & df["step"].notna()].sort_values("step")
         if single.notna().any() and len(dist):
-            ref = float(single.iloc[0])
-            best, worst = dist.iloc[0], dist.iloc[-1]
-            lines.append(f"- One device alone (same per-device batch): {ref:.4g} ms per step. Fastest "
-                         f"data-parallel: {best['label']} {best['step']:.4g} ms ({best['step'] / ref:.3f}x "
-                         f"single); slowest: {worst['label']} {worst['step']:.4g} ms "
-                         f"({worst['step'] / ref:.3f}x).")
-            if "exposed comm ms" in df:
-                lines.append("- Communication not hidden behind backward (step - single): " + ", ".join(
-                    f"{r['label']} {float(r['exposed comm ms']):.3g} ms" for _, r in dist.iterrows()) + ".")
-            bucketed = dist[dist["strategy"] == "bucketed"]
-            torch_ddp = dist[dist["strategy"] == "torch"]
-            if len(bucketed):
-                b = bucketed.iloc[0]
-                verdict = "meets" if b["step"] / ref <= 1.10 else "misses"
-                change = (b["step"] / torch_ddp["step"].iloc[0] - 1) * 100 if len(torch_ddp) else math.nan
-                against = "." if math.isnan(change) else f"; {change:+.1f}% against torch DDP, same run."
-                lines.append(f"- Best bucketed: {b['label']}, {b['step'] / ref:.3f}x single ({verdict} the "
-                             f"1.10x goal){against}")
-            lines.append(ddp_prediction(ctx, f, bucketed))
+            lines += step_findings(df, dist, float(single.iloc[0]))
+            lines.append(ddp_prediction(ctx, f, dist[dist["strategy"] == "bucketed"]))
         lines += ["", ddp_plot(ctx, df), ""]
+    return lines
+
+
+def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]:
+    """What the step times say against one device (``ref`` ms), differences within noise marked so."""
+    best, worst = dist.iloc[0], dist.iloc[-1]
+    lines = [f"- One device alone (same per-device batch): {ref:.4g} ms per step. Fastest data-parallel: "
+             f"{best['label']} {best['step']:.4g} ms ({against_single(best, ref)}); "
+             f"slowest: {worst['label']} {worst['step']:.4g} ms ({against_single(worst, ref)})."]
+    if "exposed comm ms" in df:
+        exposed = [f"~0 {NOISE}" if r["noise"] else f"{float(r['exposed comm ms']):.3g} ms"
+                   for _, r in dist.iterrows()]
+        pairs = zip(dist["label"], exposed, strict=True)
+        lines.append("- Communication not hidden behind backward (step - single): "
+                     + ", ".join(f"{label} {e}" for label, e in pairs) + ".")
+    if dist["noise"].any():
+        lines.append(f"- Noise: {int(dist['noise'].sum())} of {len(dist)} strategies differ from one device "
+                     "by less than the spread of that difference (from the std of the steps); their sign "
+                     "and ratio are not findings. More steps, or a GPU, tell them apart.")
+    bucketed = dist[dist["strategy"] == "bucketed"]
+    torch_ddp = dist[dist["strategy"] == "torch"]
+    if len(bucketed):
+        b = bucketed.iloc[0]
+        if b["noise"]:
+            lines.append(f"- Best bucketed: {b['label']}, within noise of one device: this run gives no "
+                         "verdict on the 1.10x goal.")
+        else:
+            verdict = "meets" if b["step"] / ref <= 1.10 else "misses"
+            change = (b["step"] / torch_ddp["step"].iloc[0] - 1) * 100 if len(torch_ddp) else math.nan
+            against = "." if math.isnan(change) else f"; {change:+.1f}% against torch DDP, same run."
+            lines.append(f"- Best bucketed: {b['label']}, {b['step'] / ref:.3f}x single ({verdict} the 1.10x "
+                         f"goal){against}")
     return lines
 
 
