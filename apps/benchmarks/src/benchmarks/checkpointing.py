@@ -38,6 +38,7 @@ from benchmarks.common import (
     int_list,
     is_oom,
     make_parser,
+    nonnegative_int,
     parse_args,
     positive_int,
     print_table,
@@ -55,7 +56,7 @@ from benchmarks.model import (
 )
 from profkit import time_steps
 
-TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1"]
+TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1", "--contexts", "32"]
 MB = 1e6
 FLOAT = 4  # bytes: the reference model runs in float32
 
@@ -199,9 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every", type=positive_int, default=2, help="k of the every-k policy")
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="naive",
                         help="attention function (the memory model covers naive)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per measurement")
+    parser.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed steps per measurement")
     parser.add_argument("--iters", type=positive_int, default=3, help="timed steps per measurement")
-    parser.add_argument("--search-limit", type=int, default=None,
+    parser.add_argument("--search-limit", type=nonnegative_int, default=None,
                         help="largest context the search tries; default 32768 (CUDA); 0 skips the search")
     parser.add_argument("--granularity", type=positive_int, default=256,
                         help="the search's resolution, in tokens")
@@ -212,8 +213,6 @@ def main(argv: list[str] | None = None) -> None:
     args.batch_size = args.batch_size or (4 if on_cuda else 2)
     args.contexts = args.contexts or ([512, 1024, 2048] if on_cuda else [32, 64])
     args.search_limit = (32768 if on_cuda else 0) if args.search_limit is None else args.search_limit
-    if args.warmup < 0 or min(args.contexts) < 1:
-        parser.error("--warmup must be >= 0 and every context >= 1")
     longest = max(max(args.contexts), args.search_limit)
     cfg = model_config(args.size, context_length=longest)
     setup = (f"{args.size} model ({cfg.num_layers} blocks), batch {args.batch_size}, "

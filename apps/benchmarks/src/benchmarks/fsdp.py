@@ -22,7 +22,7 @@ Time per iteration (forward, backward, gradient synchronization, optimizer step)
 synchronized, mean over --iters, the slowest rank's.
 
 Runs on the GPUs (NCCL) when there is one per worker (small model), else on 2 CPU processes
-(gloo, tiny model). Spawns its workers itself (benchmarks.launch), or runs under torchrun:
+(gloo, tiny model). Spawns its workers itself (minddp.launch), or runs under torchrun:
     torchrun --nproc-per-node 2 -m benchmarks.fsdp
 """
 
@@ -48,15 +48,17 @@ from benchmarks.common import (
     device_name,
     free_device_memory,
     make_parser,
+    nonnegative_int,
     parse_args,
+    positive_float,
     positive_int,
     print_table,
     save_results,
     str_list,
 )
-from benchmarks.launch import launch, tensor_device, under_torchrun
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
 from minddp import FSDP, BucketedDDP
+from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
 from profkit.timing import total_mean
 
@@ -235,13 +237,13 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated, among {', '.join(STRATEGIES)} (or 'all')")
     parser.add_argument("--compute", type=str_list(COMPUTE), default=list(COMPUTE),
                         help="compute dtypes: fp32, bf16 (or 'all')")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per case")
+    parser.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed iterations per case")
     parser.add_argument("--iters", type=positive_int, default=5, help="timed iterations per case")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    parser.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="naive",
                         help="attention function (the activation model covers naive)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model; each rank's data adds its rank")
-    parser.add_argument("--timeout", type=float, default=600,
+    parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)
     gpus = torch.cuda.device_count()
@@ -250,8 +252,6 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if 0 < workers <= gpus else "cpu"
     elif args.device == "cuda" and gpus < workers:
         parser.error(f"--device cuda needs a GPU per worker ({workers}); this machine has {gpus}")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
     on_cuda = args.device == "cuda"
     args.backend = "nccl" if on_cuda else "gloo"
     args.size = args.size or ("small" if on_cuda else "tiny")

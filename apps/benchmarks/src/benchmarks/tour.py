@@ -23,8 +23,8 @@ CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a
             "within its spread prints as '~0 (noise)', and a sign or ratio from them is not a finding. "
             "Performance figures come from GPU runs (docs/report.md).")
 # The report comes last: it reads what the others wrote.
-EXPERIMENTS = ["precision", "e2e", "attention", "flash", "allreduce", "ddp", "shardopt", "accounting",
-               "report"]
+EXPERIMENTS = ["precision", "e2e", "attention", "flash", "checkpointing", "allreduce", "ddp", "shardopt",
+               "fsdp", "accounting", "report"]
 
 
 def main(argv: list[str] | None = None) -> int:

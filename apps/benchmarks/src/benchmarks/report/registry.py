@@ -23,7 +23,19 @@ not shown; every section's files must be told apart by ``matches``.
 
 from __future__ import annotations
 
-from benchmarks.report import accounting, allreduce, attention, ddp, e2e, flash, memory, precision, shardopt
+from benchmarks.report import (
+    accounting,
+    allreduce,
+    attention,
+    checkpointing,
+    ddp,
+    e2e,
+    flash,
+    fsdp,
+    memory,
+    precision,
+    shardopt,
+)
 from benchmarks.report.core import Section
 
 SECTIONS: list[Section] = [
@@ -32,8 +44,10 @@ SECTIONS: list[Section] = [
     flash.SECTION,
     precision.SECTION,
     memory.SECTION,
+    checkpointing.SECTION,
     allreduce.SECTION,
     ddp.SECTION,
     shardopt.SECTION,
+    fsdp.SECTION,
     accounting.SECTION,
 ]
