@@ -15,7 +15,7 @@ from minddp.base import DataParallel
 from minddp.fsdp import FSDP
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 STRATEGIES: dict[str, type[DataParallel]] = {
     "naive": NaiveDDP,

@@ -29,8 +29,10 @@ class FSDP(nn.Module):
     Args:
         module: the model, built identically on every rank (rank 0's values are copied to all).
         compute_dtype: a floating-point dtype (e.g. ``torch.bfloat16``) that sharded weights are cast
-            to before they are gathered and used. The shards (master weights), their gradients and
-            the optimizer state stay in the parameters' dtype. ``None``: compute in that dtype.
+            to before they are gathered and used, as are the floating-point inputs of the model's and
+            each unit's forward. The shards (master weights), their gradients and the optimizer
+            state stay in the parameters' dtype; gradients are reduced in that dtype too.
+            ``None``: compute in the parameters' dtype.
         process_group: the group to shard over (default: the default group).
         wrap: module classes that each make a unit. Default: every module whose class name ends
             in ``Block``, else the children of every ``nn.ModuleList``. Units do not nest: a match
@@ -125,6 +127,8 @@ class FSDP(nn.Module):
             self._root.use_full()
         if self._last_order:
             self._last_order[0].gather()
+        if self.compute_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.compute_dtype)
         with self._whole_in_compute_dtype.active():
             output = self.module(*args, **kwargs)
         if self._root is not None and not _tensors_needing_grad(output):
@@ -132,12 +136,13 @@ class FSDP(nn.Module):
         return output
 
     def _make_pre_forward(self, unit: FlatUnit) -> Any:
-        def pre_forward(module: nn.Module, args: Any) -> None:
+        def pre_forward(module: nn.Module, args: Any) -> Any:
             unit.use_full()
             self._order.append(unit)
             following = _after(self._last_order, unit)
             if following is not None:
                 following.gather()  # overlaps this unit's compute
+            return args if self.compute_dtype is None else _cast_floats(args, self.compute_dtype)
         return pre_forward
 
     def _make_post_forward(self, unit: FlatUnit) -> Any:
@@ -377,6 +382,17 @@ def _slots(root: nn.Module, params: list[nn.Parameter], names: dict[int, str]) -
         slots.append(ParamSlot(names[id(p)], places[id(p)], p.shape, offset))
         offset += p.numel()
     return slots
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating-point tensor in it (nested tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: _cast_floats(item, dtype) for key, item in value.items()}
+    return value
 
 
 def _tensors_needing_grad(output: Any) -> list[torch.Tensor]:
