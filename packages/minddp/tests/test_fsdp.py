@@ -178,6 +178,32 @@ def test_gradients_accumulate_until_synchronized(ranks: Any) -> None:
     for differences in ranks(accumulate, 2):
         assert differences["two backwards"] < 1e-6 and differences["two forwards"] < 1e-6, differences
 
+def shared_across_units(rank: int, world_size: int) -> dict[str, Any]:
+    """A weight used by two blocks (two units) belongs to the root unit and trains like one tensor."""
+    torch.manual_seed(0)
+    base = TinyLM()
+    base.blocks[1].up.weight = base.blocks[0].up.weight
+    reference = copy.deepcopy(base)
+    fsdp = FSDP(copy.deepcopy(base))
+    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for batch in batches(world_size):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(fsdp, batch.chunk(world_size)[rank]).backward()
+        fsdp.finish_gradient_synchronization()
+        optimizer.step()
+        reference_step(reference, ref_opt, batch, world_size, None)
+    root = next(u for u in fsdp.units if u.name == "")
+    return {"difference": largest_difference(fsdp.gather_full_params(), reference),
+            "in_root": "blocks.0.up.weight" in [slot.name for slot in root.slots],
+            "moved": largest_difference(fsdp.gather_full_params(), base)}
+
+
+def test_a_weight_shared_by_two_units_trains_as_one(ranks: Any) -> None:
+    for result in ranks(shared_across_units, 2):
+        assert result["in_root"] and result["moved"] > 1e-3
+        assert result["difference"] == 0.0, result
+
 # --- memory -----------------------------------------------------------------------------------------
 
 def memory_per_rank(rank: int, world_size: int) -> dict[str, Any]:

@@ -292,7 +292,7 @@ class FSDP(nn.Module):
 def _unit_modules(root: nn.Module, wrap: Iterable[type[nn.Module]] | None) -> dict[str, nn.Module]:
     """The outermost submodules that make units, by name, in module order."""
     if wrap is not None:
-        classes = tuple(wrap)
+        classes = (wrap,) if isinstance(wrap, type) else tuple(wrap)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad:
             raise TypeError(f"wrap: expected nn.Module subclasses, got {bad!r}")
