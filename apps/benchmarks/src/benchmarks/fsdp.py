@@ -62,7 +62,7 @@ from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
 from profkit.timing import total_mean
 
-TOUR_ARGS: list[str] = ["--warmup", "1", "--iters", "2"]
+TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1"]
 MB = 1e6
 STRATEGIES = ["torch-ddp", "minddp-bucketed", "torch-fsdp2", "minddp-fsdp"]
 COMPUTE = {"fp32": None, "bf16": torch.bfloat16}
