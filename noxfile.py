@@ -204,14 +204,14 @@ def check_wheel_in_clean_venv(session: nox.Session, wheel: Path, dist: str) -> N
 @nox.session
 def build(session: nox.Session) -> None:
     """Wheel + sdist of every package (or those named after --) into dist/, each tried in a clean venv."""
-    dists = [resolve(name) for name in session.posargs] or list(PACKAGES)
+    requested = [resolve(name) for name in session.posargs] or list(PACKAGES)
     session.install("hatch>=1.12")
     # The app's wheel needs its sibling wheels in dist/ to install.
-    if "cs336-systems-benchmarks" in dists:
-        dists = list(dict.fromkeys(LIBRARIES + dists))
-    wheels = build_dists(session, dists)
-    for dist, wheel in zip(dists, wheels, strict=True):
-        check_wheel_in_clean_venv(session, wheel, dist)
+    app = "cs336-systems-benchmarks"
+    built = list(dict.fromkeys(LIBRARIES + requested)) if app in requested else requested
+    wheels = dict(zip(built, build_dists(session, built), strict=True))
+    for dist in requested:
+        check_wheel_in_clean_venv(session, wheels[dist], dist)
     session.log("built: " + ", ".join(sorted(p.name for p in DIST.iterdir())))
 
 

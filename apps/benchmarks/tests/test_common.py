@@ -79,12 +79,29 @@ def test_a_write_failing_midway_leaves_the_old_file_whole(tmp_path, monkeypatch,
     assert sorted(p.name for p in path.parent.iterdir()) == ["x.csv", "x.md"]
 
 
+def test_the_csv_is_not_replaced_when_its_markdown_copy_cannot_be_written(tmp_path, monkeypatch):
+    path = save_results(table(3, "old"), "x", saver(tmp_path), metadata())
+    before = path.read_bytes(), path.with_suffix(".md").read_bytes()
+    real_staged = common._staged
+
+    def full_for_markdown(target, text):
+        if target.suffix == ".md":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_staged(target, text)
+
+    monkeypatch.setattr(common, "_staged", full_for_markdown)
+    with pytest.raises(ResultsNotSaved, match=r"x\.md \(No space left on device\)"):
+        save_results(table(5, "new"), "x", saver(tmp_path), metadata())
+    assert (path.read_bytes(), path.with_suffix(".md").read_bytes()) == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["x.csv", "x.md"]
+
+
 def test_a_failed_save_exits_with_status_1_and_one_line(tmp_path):
     """The command-line view of the case above, as a user sees it: stderr and the exit status."""
     code = (f"import errno, os, argparse, pandas as pd\n"
             f"from benchmarks import common\n"
             f"def full(*a, **k): raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
-            f"common.write_atomically = full\n"
+            f"common._staged = full\n"
             f"args = argparse.Namespace(results_dir={str(tmp_path)!r}, no_save=False, command='c')\n"
             f"common.save_results(pd.DataFrame({{'a': [1]}}), 'x', args, {{'device': 'cpu'}})\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -140,6 +140,11 @@ def write_atomically(path: Path, text: str) -> None:
     system), is flushed to the disk, and is renamed over path; two writers each rename a
     complete file of their own, and the last one wins.
     """
+    os.replace(_staged(path, text), path)
+
+
+def _staged(path: Path, text: str) -> str:
+    """A complete temporary copy of text beside path, on the disk; nothing left behind on failure."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -147,11 +152,11 @@ def write_atomically(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; results are ordinary files
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
 
 
 def _current_umask() -> int:
@@ -168,9 +173,10 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
     """Write the table as <results-dir>/<device>/<name>.csv (metadata first) and .md; None with --no-save.
 
     ``args`` comes from :func:`parse_args`; ``metadata`` overrides or extends :func:`run_metadata`.
-    Both files are written atomically (:func:`write_atomically`). If either cannot be written
-    (a full disk, say), :class:`ResultsNotSaved` exits the command with status 1 and a one-line
-    message, leaving the earlier files whole.
+    Both files are written atomically (:func:`write_atomically`), and neither replaces its old
+    one until both are complete on the disk. If either cannot be written (a full disk, say),
+    :class:`ResultsNotSaved` exits the command with status 1 and a one-line message, leaving the
+    earlier files whole.
     """
     if args.no_save:
         return None
@@ -183,12 +189,17 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
     df.to_csv(csv, index=False)
     header = "\n".join(f"- {key}: `{value}`" for key, value in meta.items())
     markdown = f"# {name}\n\n{header}\n\n{to_markdown(df)}\n"
+    staged: list[tuple[str, Path]] = []  # both files complete on the disk before either replaces its old one
     for path, text in ((csv_path, csv.getvalue()), (csv_path.with_suffix(".md"), markdown)):
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, text)
+            staged.append((_staged(path, text), path))
         except OSError as exc:
+            for tmp, _ in staged:
+                os.unlink(tmp)
             raise ResultsNotSaved(path, exc) from exc
+    for tmp, path in staged:
+        os.replace(tmp, path)
     console.print(f"[dim]wrote {csv_path} and {csv_path.with_suffix('.md').name}[/dim]")
     return csv_path
 
