@@ -1,20 +1,25 @@
 """Build, test and release sessions for every package of this repository.
 
     ./nox -l                      list the sessions
-    ./nox -s tests                every package's tests plus the cross-package tests
-    ./nox -s test-minddp          one package's tests, in a venv holding that package alone
+    ./nox -s tests                every package's tests plus the cross-package tests (CI)
+    ./nox -s test-minddp          one package's tests, in a venv holding torch and that package alone
+    ./nox -s test-oldest-torch    the libraries' tests on their oldest declared torch (not in CI)
     ./nox -s tour                 a short run of every experiment this machine supports
-    ./nox -s build [-- minddp]    wheels and sdists into dist/, each checked in a clean venv
+    ./nox -s build [-- minddp]    wheels and sdists into dist/, each installed in a clean venv and
+                                  its README's first example run
     ./nox -s release -- minddp    check, build and tag minddp-vX.Y.Z (uploads nothing)
 
-Torch: each venv sees the interpreter's own site-packages, so a torch you already have (a CUDA
-build, say) is used as it is. Only where none is importable is ``$TORCH_SPEC`` installed
-(default ``torch==2.13.0``, which pip takes from a local wheel where one is on its find-links).
+Torch: the test sessions make clean venvs (no system site-packages), so an undeclared import
+fails there as it would for a user; they install ``$TORCH_SPEC`` (default ``torch==2.13.0``,
+which pip takes from a local wheel where one is on its find-links, in seconds). The tour's venv
+sees the interpreter's own site-packages, so a torch you already have (a CUDA build, say) is
+used as it is; only where none is importable is ``$TORCH_SPEC`` installed there.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,7 +49,7 @@ PYTEST = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-ra"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "tests"]
-VENV = ["--system-site-packages"]
+SYSTEM_SITE = ["--system-site-packages"]  # the tour only: it uses the torch you have
 
 
 def resolve(name: str) -> str:
@@ -55,8 +60,13 @@ def resolve(name: str) -> str:
     return dist
 
 
-def install_torch(session: nox.Session) -> None:
-    """Install $TORCH_SPEC unless this venv can already import torch (reused venv or user's build)."""
+def install_torch(session: nox.Session, spec: str = TORCH_SPEC) -> None:
+    """Install ``spec`` into a clean venv (a no-op when a reused venv has it already)."""
+    session.install(spec)
+
+
+def install_torch_unless_present(session: nox.Session) -> None:
+    """Install $TORCH_SPEC unless this venv can already import torch (the user's build, say)."""
     has_torch = session.run(
         "python", "-c", "import importlib.util; print(importlib.util.find_spec('torch') is not None)",
         silent=True,
@@ -65,6 +75,12 @@ def install_torch(session: nox.Session) -> None:
         session.log("torch already importable here: leaving it as it is")
         return
     session.install(TORCH_SPEC)
+
+
+def torch_floor(dist: str) -> str | None:
+    """The version in a package's declared ``"torch>=X"`` requirement, or None."""
+    match = re.search(r'"torch\s*>=\s*([0-9.]+)"', (ROOT / PACKAGES[dist][0] / "pyproject.toml").read_text())
+    return match.group(1) if match else None
 
 
 def install_local(session: nox.Session, dists: list[str], editable: bool = False) -> None:
@@ -80,31 +96,53 @@ def package_test_session(dist: str):
     def run(session: nox.Session) -> None:
         install_torch(session)
         needed = LIBRARIES + [dist] if dist == "cs336-systems-benchmarks" else [dist]
-        install_local(session, needed)
+        install_local(session, needed)  # not editable: the tests import the installed package
         session.run(*PYTEST, f"{PACKAGES[dist][0]}/tests", *session.posargs)
 
-    run.__doc__ = f"Run {dist}'s own tests in a venv that holds it (and torch) alone."
+    run.__doc__ = f"{dist}'s own tests in a clean venv holding torch and it (with its test extra) alone."
     return run
 
 
 for _name, _dist in [("flash", "flashattn-triton"), ("minddp", "minddp"), ("shardopt", "shardopt"),
                      ("profkit", "profkit"), ("benchmarks", "cs336-systems-benchmarks")]:
-    nox.session(name=f"test-{_name}", venv_params=VENV)(package_test_session(_dist))
+    nox.session(name=f"test-{_name}")(package_test_session(_dist))
 
 
-@nox.session(venv_params=VENV)
+@nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's tests and the cross-package tests in tests/, in one pytest run."""
+    """Every package's tests and the cross-package tests in tests/, in one pytest run (a clean venv)."""
     install_torch(session)
     install_local(session, list(PACKAGES), editable=True)
+    session.install("packaging>=23")  # tools/release_checks.py, tested in tests/
     test_dirs = [f"{directory}/tests" for directory, _ in PACKAGES.values()] + ["tests"]
     session.run(*PYTEST, "-c", "pytest.ini", *test_dirs, *session.posargs)
 
 
-@nox.session(venv_params=VENV)
+@nox.session(name="test-oldest-torch")
+def test_oldest_torch(session: nox.Session) -> None:
+    """The libraries' tests on the oldest torch they declare (``torch>=X``): a floor is a version tested.
+
+    Installs ``torch==X`` for the lowest floor among the libraries, or ``$OLDEST_TORCH_SPEC`` if set
+    (to pick a build this machine can install: a CPU wheel's index, say). Not part of CI: the wheel
+    of an older torch is a large download, where the default one is a local file.
+    """
+    floors = {dist: torch_floor(dist) for dist in LIBRARIES}
+    oldest = min((f for f in floors.values() if f), key=lambda v: tuple(map(int, v.split("."))))
+    spec = os.environ.get("OLDEST_TORCH_SPEC", f"torch=={oldest}")
+    session.log("declared torch floors: " + ", ".join(f"{d} {f}" for d, f in floors.items())
+                + f"; installing {spec}")
+    install_torch(session, spec)
+    for dist in LIBRARIES:
+        install_local(session, [dist])
+    session.run("python", "-c", "import torch; print('testing on torch', torch.__version__)")
+    for dist in LIBRARIES:
+        session.run(*PYTEST, f"{PACKAGES[dist][0]}/tests", *session.posargs)
+
+
+@nox.session(venv_params=SYSTEM_SITE)
 def tour(session: nox.Session) -> None:
     """The main job: a short run of every experiment this machine supports, printing each table."""
-    install_torch(session)
+    install_torch_unless_present(session)
     install_local(session, list(PACKAGES), editable=True)
     session.run("python", "-m", "benchmarks.tour", *session.posargs)
 
@@ -131,29 +169,49 @@ def build_dists(session: nox.Session, dists: list[str]) -> list[Path]:
     return wheels
 
 
-def check_wheel_in_clean_venv(session: nox.Session, wheel: Path, import_name: str) -> None:
-    """A fresh venv with only torch, then the wheel (its siblings found in dist/), then import it."""
+def readme_example(directory: str) -> str:
+    """The first ```python block of a package's README: what a user tries first."""
+    text = (ROOT / directory / "README.md").read_text()
+    match = re.search(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    if match is None:
+        raise ValueError(f"{directory}/README.md has no ```python example")
+    return match.group(1)
+
+
+def check_wheel_in_clean_venv(session: nox.Session, wheel: Path, dist: str) -> None:
+    """A fresh venv with only torch, then the wheel (its siblings found in dist/); import it and run
+    its README's first example there, from an empty folder, under torchrun when the example says so."""
+    directory, import_name = PACKAGES[dist]
     with tempfile.TemporaryDirectory(prefix=f"clean-{import_name}-") as tmp:
-        python = Path(tmp) / "bin" / "python"
-        session.run(sys.executable, "-m", "venv", tmp, external=True)
-        session.run(str(python), "-m", "pip", "install", "-q", TORCH_SPEC, external=True)
-        session.run(str(python), "-m", "pip", "install", "-q", "--find-links", str(DIST), str(wheel),
+        python = str(Path(tmp) / "venv" / "bin" / "python")
+        session.run(sys.executable, "-m", "venv", str(Path(tmp) / "venv"), external=True)
+        session.run(python, "-m", "pip", "install", "-q", TORCH_SPEC, external=True)
+        session.run(python, "-m", "pip", "install", "-q", "--find-links", str(DIST), str(wheel),
                     external=True)
-        session.run(str(python), "-c", f"import {import_name}; print({import_name}.__name__, "
+        session.run(python, "-c", f"import {import_name}; print({import_name}.__name__, "
                     f"{import_name}.__version__, 'imports from', {import_name}.__file__)", external=True)
+        example = readme_example(directory)
+        script = Path(tmp) / "work" / "example.py"
+        script.parent.mkdir()
+        script.write_text(example)
+        torchrun = re.match(r"#.*torchrun (--nproc-per-node[ =](\d+))", example)
+        command = ([python, "-m", "torch.distributed.run", "--nproc-per-node", torchrun.group(2), str(script)]
+                   if torchrun else [python, str(script)])
+        with session.chdir(script.parent):
+            session.run(*command, external=True)
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Wheel + sdist of every package (or those named after --) into dist/, each imported in a clean venv."""
-    dists = [resolve(name) for name in session.posargs] or list(PACKAGES)
+    """Wheel + sdist of every package (or those named after --) into dist/, each tried in a clean venv."""
+    requested = [resolve(name) for name in session.posargs] or list(PACKAGES)
     session.install("hatch>=1.12")
     # The app's wheel needs its sibling wheels in dist/ to install.
-    if "cs336-systems-benchmarks" in dists:
-        dists = list(dict.fromkeys(LIBRARIES + dists))
-    wheels = build_dists(session, dists)
-    for dist, wheel in zip(dists, wheels, strict=True):
-        check_wheel_in_clean_venv(session, wheel, PACKAGES[dist][1])
+    app = "cs336-systems-benchmarks"
+    built = list(dict.fromkeys(LIBRARIES + requested)) if app in requested else requested
+    wheels = dict(zip(built, build_dists(session, built), strict=True))
+    for dist in requested:
+        check_wheel_in_clean_venv(session, wheels[dist], dist)
     session.log("built: " + ", ".join(sorted(p.name for p in DIST.iterdir())))
 
 

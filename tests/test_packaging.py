@@ -3,6 +3,8 @@
 import ast
 import importlib
 import importlib.metadata
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,68 @@ def test_app_depends_on_every_library_by_name():
     requires = importlib.metadata.requires("cs336-systems-benchmarks") or []
     names = {r.split(">")[0].split("=")[0].split(";")[0].strip() for r in requires}
     assert {"flashattn-triton", "minddp", "shardopt", "profkit"} <= names
+
+
+def imported_top_levels(folder: Path) -> set[str]:
+    """Top-level names of the absolute imports in folder's .py files, except optional ones.
+
+    An import inside ``try: ... except ImportError`` (or ModuleNotFoundError) is optional: the
+    code works without it, so it needs no declaration.
+    """
+    names: set[str] = set()
+    for source in folder.rglob("*.py"):
+        tree = ast.parse(source.read_text())
+        optional = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try) and any(
+                    isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                    for h in node.handlers):
+                optional |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in optional:
+                continue
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def declared_requirements(dist: str, extra: str | None = None) -> set[str]:
+    """Distribution names a package requires, with those of one extra if named."""
+    found = set()
+    for requirement in importlib.metadata.requires(dist) or []:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
+        markers = requirement.partition(";")[2]
+        needed_extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", markers)
+        if needed_extra is None or needed_extra.group(1) == extra:
+            found.add(normalized(name))
+    return found
+
+
+def undeclared(dist: str, folder: Path, extra: str | None) -> list[str]:
+    own = {DISTS[dist][1]} | {p.stem for p in folder.rglob("*.py")}  # the package and local test modules
+    providers = importlib.metadata.packages_distributions()
+    declared = declared_requirements(dist, extra)
+    missing = []
+    for name in sorted(imported_top_levels(folder) - own - set(sys.stdlib_module_names)):
+        dists = {normalized(d) for d in providers.get(name, [name])}
+        if not dists & declared:
+            missing.append(f"{name} (from {', '.join(sorted(dists))})")
+    return missing
+
+
+@pytest.mark.parametrize("dist", DISTS)
+def test_every_import_of_the_code_is_declared(dist):
+    directory, import_name = DISTS[dist]
+    assert undeclared(dist, ROOT / directory / "src" / import_name, extra=None) == []
+
+
+@pytest.mark.parametrize("dist", DISTS)
+def test_every_import_of_the_tests_is_declared_in_the_test_extra(dist):
+    directory, _ = DISTS[dist]
+    assert undeclared(dist, ROOT / directory / "tests", extra="test") == []

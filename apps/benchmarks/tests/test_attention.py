@@ -69,7 +69,7 @@ def test_eager_oom_is_a_cell(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--passes", "0"], "--passes=0"),
+    (["--passes", "0"], "--passes: must be at least 1, got 0"),
     (["--T", "0"], "--T"),
     (["--warmup", "0"], "--warmup >= 1"),
     (["--variants", "fast"], "fast not among"),

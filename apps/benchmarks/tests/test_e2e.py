@@ -74,7 +74,8 @@ def test_profile_kernels_writes_per_phase_tables(tmp_path):
     assert list(kernels.columns) == ["Phase", *profkit.kernels.COLUMNS]
     assert set(kernels["Phase"]) == {"forward", "backward", "optimizer"}
     for _, group in kernels.groupby("Phase"):
-        assert group["Time (%)"].sum() == pytest.approx(100, abs=1)
+        # each share is rounded to 0.1%, so the sum is 100 within 0.05 a row
+        assert group["Time (%)"].sum() == pytest.approx(100, abs=0.05 * len(group) + 1e-9)
     summary, _ = read_results(folder / "e2e_train_kernel_summary.csv")
     assert summary["phase"].tolist() == ["forward", "backward", "optimizer"]
     assert summary["matmul %"].tolist()[0] > 0 and summary["matmul %"].tolist()[2] == 0
@@ -163,7 +164,7 @@ def test_memory_without_cuda_says_so(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "--steps=0"),
+    (["--steps", "0"], "--steps: must be at least 1, got 0"),
     (["--size", "huge"], "huge not among"),
     (["--context", "0"], "--context"),
     (["--compile", "--warmup", "0"], "--warmup >= 1"),

@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import pandas as pd
 
-from benchmarks.common import int_list, make_parser, parse_args, print_table, save_results
+from benchmarks.common import (
+    int_list,
+    make_parser,
+    nonnegative_int_list,
+    parse_args,
+    positive_float,
+    positive_int,
+    print_table,
+    save_results,
+)
 from benchmarks.model import MODEL_SIZES, model_config
 
 TOUR_ARGS: list[str] = []
@@ -336,34 +344,23 @@ def constants_table(args: argparse.Namespace, defaults: argparse.Namespace, mode
     return pd.DataFrame(rows, columns=["symbol", "meaning", "value", "unit", "source"])
 
 
-def _positive(kind: Callable[[str], N]) -> Callable[[str], N]:
-    """argparse type: `kind(text)`, refused unless > 0."""
-
-    def parse(text: str) -> N:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("accounting", __doc__)
-    parser.add_argument("--tokens", type=int_list, default="1024,4096,8192,16384",
+    parser.add_argument("--tokens", type=nonnegative_int_list, default="1024,4096,8192,16384",
                         help="tokens per step (batch x context) for the activation memory")
-    parser.add_argument("--h100-gb", type=_positive(float), default=80.0, help="memory of one H100, GB")
-    parser.add_argument("--capacity-gb", type=_positive(float), default=95.0,
+    parser.add_argument("--h100-gb", type=positive_float, default=80.0, help="memory of one H100, GB")
+    parser.add_argument("--capacity-gb", type=positive_float, default=95.0,
                         help="per-device memory the FSDP configuration must stay below, GB")
-    parser.add_argument("--mesh-fsdp", type=_positive(int), default=16, help="X: FSDP degree of the TPU mesh")
-    parser.add_argument("--mesh-tensor", type=_positive(int), default=4, help="Y: tensor-parallel degree")
-    parser.add_argument("--fsdp-axes", type=_positive(int), default=2, help="M_X: mesh axes used by FSDP")
-    parser.add_argument("--tensor-axes", type=_positive(int), default=1, help="M_Y: mesh axes used by TP")
-    parser.add_argument("--flops", type=_positive(float), default="4.59e14", help="C: bf16 FLOP/s per chip")
-    parser.add_argument("--ici-bandwidth", type=_positive(float), default="1.8e11",
+    parser.add_argument("--mesh-fsdp", type=positive_int, default=16, help="X: FSDP degree of the TPU mesh")
+    parser.add_argument("--mesh-tensor", type=positive_int, default=4, help="Y: tensor-parallel degree")
+    parser.add_argument("--fsdp-axes", type=positive_int, default=2, help="M_X: mesh axes used by FSDP")
+    parser.add_argument("--tensor-axes", type=positive_int, default=1, help="M_Y: mesh axes used by TP")
+    parser.add_argument("--flops", type=positive_float, default="4.59e14", help="C: bf16 FLOP/s per chip")
+    parser.add_argument("--ici-bandwidth", type=positive_float, default="1.8e11",
                         help="W_ici: bidirectional ICI bytes/s per link")
     parser.add_argument("--ddp-size", choices=list(MODEL_SIZES), default="xl",
                         help="reference model whose fp32 gradients the DDP bucket model all-reduces")
-    parser.add_argument("--ddp-bandwidth-gbps", type=_positive(float), default=329.0,
+    parser.add_argument("--ddp-bandwidth-gbps", type=positive_float, default=329.0,
                         help="w: all-reduce bandwidth, GB/s")
     parser.add_argument("--ddp-overhead-us", type=int_list, default="10,50,200",
                         help="o: per-all-reduce overheads to evaluate, microseconds")
@@ -373,10 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parse_args(parser, argv)
-    if any(t < 0 for t in args.tokens):
-        parser.error(f"--tokens must be >= 0, got {args.tokens}")
-    if not args.ddp_overhead_us or any(o <= 0 for o in args.ddp_overhead_us):
-        parser.error(f"--ddp-overhead-us must be positive, got {args.ddp_overhead_us}")
     mesh = Mesh(fsdp=args.mesh_fsdp, tensor=args.mesh_tensor, fsdp_axes=args.fsdp_axes,
                 tensor_axes=args.tensor_axes, flops=args.flops, ici_bandwidth=args.ici_bandwidth)
     tables = {

@@ -30,8 +30,19 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import console, int_list, make_parser, parse_args, print_table, save_results, str_list
-from benchmarks.launch import launch, tensor_device, under_torchrun
+from benchmarks.common import (
+    console,
+    int_list,
+    make_parser,
+    nonnegative_int,
+    parse_args,
+    positive_float,
+    positive_int,
+    print_table,
+    save_results,
+    str_list,
+)
+from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import synchronize
 
 TOUR_ARGS = ["--backends", "gloo", "--world-sizes", "2", "--sizes-mb", "1,10", "--iters", "5"]
@@ -119,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="float32 tensor sizes in MiB")
     parser.add_argument("--world-sizes", type=int_list, default="2,4,6",
                         help="ranks per run (NCCL: only up to the GPU count); ignored under torchrun")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per cell")
-    parser.add_argument("--iters", type=int, default=10, help="timed calls per cell (fewer above 400 MiB)")
-    parser.add_argument("--timeout", type=float, default=1800,
+    parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed calls per cell")
+    parser.add_argument("--iters", type=positive_int, default=10,
+                        help="timed calls per cell (fewer above 400 MiB)")
+    parser.add_argument("--timeout", type=positive_float, default=1800,
                         help="seconds before a run's workers are killed")
     args = parse_args(parser, argv)
     if any(n < 2 for n in args.world_sizes):

@@ -35,8 +35,10 @@ from benchmarks.common import (
     int_list,
     is_oom,
     make_parser,
+    nonnegative_int,
     or_oom,
     parse_args,
+    positive_int,
     print_table,
     progress,
     save_results,
@@ -125,12 +127,13 @@ def eager_cell(args: argparse.Namespace, seq_len: int, head_dim: int, dev: torch
 
 def build_parser() -> argparse.ArgumentParser:
     parser = make_parser("attention", __doc__)
-    parser.add_argument("--batch-size", type=int, default=8, help="batch size (one head)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="batch size (one head)")
     parser.add_argument("--d", type=int_list, default="16,32,64,128", help="head dimensions, comma-separated")
     parser.add_argument("--T", type=int_list, default="256,1024,4096,8192,16384" if _on_gpu else "64,128",
                         help="sequence lengths, comma-separated (default without a GPU: 64,128)")
-    parser.add_argument("--passes", type=int, default=100, help="measured forward and backward passes")
-    parser.add_argument("--warmup", type=int, default=5,
+    parser.add_argument("--passes", type=positive_int, default=100,
+                        help="measured forward and backward passes")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5,
                         help="unmeasured passes first (torch.compile compiles in the first)")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="dtype of Q, K, V")
     parser.add_argument("--tf32", action="store_true", help="let fp32 matmuls use TF32")

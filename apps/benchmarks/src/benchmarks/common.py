@@ -1,19 +1,32 @@
-"""What every experiment shares: device facts, result files with metadata, tables, OOM cells.
+"""What every experiment shares: device facts, checked arguments, result files, tables, OOM cells.
 
 Results go to ``<results-dir>/<device>/<experiment>.csv`` (metadata as leading ``# key: value``
-lines; read back with :func:`read_results`) with a Markdown copy beside it.
+lines; read back with :func:`read_results`) with a Markdown copy beside it. Each file is written
+whole to a temporary file in its folder and then renamed over the old one, so a full disk, a
+crash or a second run writing the same file never leaves a torn file: the old one stays, or the
+last complete one wins.
+
+Arguments are checked by argparse before any work: the ``type=`` helpers below refuse empty
+lists and out-of-range numbers, and :func:`parse_args` makes sure ``--results-dir`` can be
+written. Either failure is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
 import datetime as _dt
+import io
+import math
+import os
 import re
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pandas as pd
 import torch
@@ -22,9 +35,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-console = Console()
+console = Console(soft_wrap=True)  # long lines are not cut or folded at 80 columns when piped
 T = TypeVar("T")
 OOM = "OOM"
+UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
+NOISE = "(noise)"  # a derived cell whose inputs differ by less than their spread: "~0 (noise)"
 
 
 def device() -> torch.device:
@@ -63,22 +78,94 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """--help keeps the description's paragraphs as written and shows every option's default."""
 
 
-def make_parser(experiment: str, description: str) -> argparse.ArgumentParser:
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line on stderr (exit status 2), not the usage and a line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def make_parser(experiment: str, description: str) -> ArgumentParser:
     """An experiment's parser (description: its module docstring), with the options every experiment has."""
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{experiment}", description=description,
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog=f"python -m benchmarks.{experiment}", description=description,
+                            formatter_class=HelpFormatter)
     parser.add_argument("--results-dir", type=Path, default=Path("results"),
                         help="write <results-dir>/<device>/<name>.csv and .md")
     parser.add_argument("--no-save", action="store_true", help="print the tables, write no files")
     return parser
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """parse_args that also records the command line (args.command) for the results' metadata."""
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None,
+               writes_results: bool = True) -> argparse.Namespace:
+    """parse_args that also records the command line (args.command) for the results' metadata.
+
+    Unless ``--no-save`` (or ``writes_results=False``: a command that only reads results), the
+    results directory is created and tested for writing here, before any work, so that a long
+    run never ends in a failed save of that kind.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.command = " ".join([parser.prog, *map(shlex.quote, argv)])
+    if writes_results and not args.no_save:
+        problem = unwritable(Path(args.results_dir))
+        if problem:
+            parser.error(f"--results-dir {args.results_dir}: {problem}")
     return args
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written in folder (created if missing), or None if they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"cannot write there ({exc.strerror or exc})"
+    return None
+
+
+class ResultsNotSaved(SystemExit):
+    """A results file could not be written; the earlier file is left as it was. Exits with status 1."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        super().__init__(f"error: could not write {path} ({exc.strerror or exc}); "
+                         "the earlier file, if any, is unchanged")
+        self.path = path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace path by a file holding text, or leave it as it was: never a part-written path.
+
+    The text goes to a temporary file in the same folder (so the rename stays on one file
+    system), is flushed to the disk, and is renamed over path; two writers each rename a
+    complete file of their own, and the last one wins.
+    """
+    os.replace(_staged(path, text), path)
+
+
+def _staged(path: Path, text: str) -> str:
+    """A complete temporary copy of text beside path, on the disk; nothing left behind on failure."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes it private; results are ordinary files
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
 
 
 def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
@@ -86,42 +173,125 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
     """Write the table as <results-dir>/<device>/<name>.csv (metadata first) and .md; None with --no-save.
 
     ``args`` comes from :func:`parse_args`; ``metadata`` overrides or extends :func:`run_metadata`.
+    Both files are written atomically (:func:`write_atomically`), and neither replaces its old
+    one until both are complete on the disk. If either cannot be written (a full disk, say),
+    :class:`ResultsNotSaved` exits the command with status 1 and a one-line message, leaving the
+    earlier files whole.
     """
     if args.no_save:
         return None
     meta = {**run_metadata(args.command), **(metadata or {})}
     folder = Path(args.results_dir) / device_slug(meta["device"])
-    folder.mkdir(parents=True, exist_ok=True)
     csv_path = folder / f"{name}.csv"
-    with csv_path.open("w") as f:
-        for key, value in meta.items():
-            f.write(f"# {key}: {value}\n")
-        df.to_csv(f, index=False)
+    csv = io.StringIO()
+    for key, value in meta.items():
+        csv.write(f"# {key}: {value}\n")
+    df.to_csv(csv, index=False)
     header = "\n".join(f"- {key}: `{value}`" for key, value in meta.items())
-    csv_path.with_suffix(".md").write_text(f"# {name}\n\n{header}\n\n{df.to_markdown(index=False)}\n")
+    markdown = f"# {name}\n\n{header}\n\n{to_markdown(df)}\n"
+    staged: list[tuple[str, Path]] = []  # both files complete on the disk before either replaces its old one
+    for path, text in ((csv_path, csv.getvalue()), (csv_path.with_suffix(".md"), markdown)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            staged.append((_staged(path, text), path))
+        except OSError as exc:
+            for tmp, _ in staged:
+                os.unlink(tmp)
+            raise ResultsNotSaved(path, exc) from exc
+    for tmp, path in staged:
+        os.replace(tmp, path)
     console.print(f"[dim]wrote {csv_path} and {csv_path.with_suffix('.md').name}[/dim]")
     return csv_path
 
 
+class UnreadableResults(ValueError):
+    """A results file that does not parse as one: torn, cut short, or not written by save_results."""
+
+
 def read_results(path: Path) -> tuple[pd.DataFrame, dict[str, str]]:
-    """A results CSV and its metadata."""
+    """A results CSV and its metadata; :class:`UnreadableResults` if the file is not a whole results file.
+
+    A file cut off mid-row (short rows, or NUL bytes from a torn write) is refused, not read
+    with NaN cells where the missing values were.
+    """
+    path = Path(path)
+    text = path.read_text(errors="replace")
+    if "\x00" in text:
+        raise UnreadableResults(f"{path}: NUL bytes (a torn write)")
     meta = {}
-    with Path(path).open() as f:
-        for line in f:
-            if not line.startswith("# "):
-                break
-            key, _, value = line[2:].partition(": ")
-            meta[key] = value.rstrip("\n")
-    return pd.read_csv(path, skiprows=len(meta)), meta
+    lines = text.splitlines(keepends=True)
+    for line in lines:
+        if not line.startswith("# "):
+            break
+        key, _, value = line[2:].partition(": ")
+        meta[key] = value.rstrip("\n")
+    body = lines[len(meta):]
+    if not body:
+        raise UnreadableResults(f"{path}: no table after the metadata")
+    if not text.endswith("\n"):
+        raise UnreadableResults(f"{path}: the last row is cut off (no final newline)")
+    rows = list(csv.reader(body))
+    ragged = next((i for i, row in enumerate(rows) if len(row) != len(rows[0])), None)
+    if ragged is not None:  # pandas would pad a short row with NaN
+        raise UnreadableResults(f"{path}: line {len(meta) + ragged + 1} has {len(rows[ragged])} fields, "
+                                f"the header {len(rows[0])} (a torn or mixed write)")
+    try:
+        df = pd.read_csv(io.StringIO("".join(body)), on_bad_lines="error")
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise UnreadableResults(f"{path}: {str(exc).strip()}") from exc
+    return df, meta
+
+
+def cell_text(value: Any, float_format: str = "{:.3g}") -> str:
+    """How a table cell prints, in every experiment: floats formatted, no value as UNDEFINED."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return UNDEFINED
+    if isinstance(value, float):
+        return float_format.format(value)
+    return str(value)
+
+
+def to_markdown(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
+    """The table as Markdown, with cells as :func:`cell_text` prints them."""
+    shown = df.astype(object).map(lambda v: cell_text(v, float_format)) if len(df) else df
+    return shown.to_markdown(index=False, disable_numparse=True,
+                             colalign=["right" if pd.api.types.is_numeric_dtype(df[c]) else "left"
+                                       for c in df.columns] or None)
+
+
+def within_noise(difference: float, spread: float) -> bool:
+    """Whether a measured difference is smaller than its spread (one std of the difference), so its
+    sign, and any ratio built from it, is not a finding."""
+    return not math.isnan(difference) and not math.isnan(spread) and abs(difference) < spread
+
+
+def mark_noise(df: pd.DataFrame, difference: str, spread: str, derived: dict[str, str]) -> pd.DataFrame:
+    """A copy for printing in which, on rows where ``difference`` is within ``spread``, each column of
+    ``derived`` reads its value there (``{"exposed ms": "~0", "x single": "~1"}``) followed by NOISE.
+
+    The numbers stay in the saved results (with the spread beside them); what is printed as a
+    finding is only what the measurement can tell apart.
+    """
+    noisy = [within_noise(d, s) for d, s in zip(pd.to_numeric(df[difference], errors="coerce"),
+                                                pd.to_numeric(df[spread], errors="coerce"), strict=True)]
+    shown = df.astype({column: object for column in derived})
+    for column, near in derived.items():
+        shown.loc[noisy, column] = f"{near} {NOISE}"
+    return shown
 
 
 def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> None:
+    """A rich table on a terminal; where stdout is not one (a pipe, a file), the Markdown form, uncut."""
+    if not console.is_terminal:
+        console.print(f"\n{title}\n\n{to_markdown(df, float_format)}\n", markup=False, highlight=False,
+                      soft_wrap=True)
+        return
     table = Table(title=title, title_justify="left")
     for column in df.columns:
         numeric = pd.api.types.is_numeric_dtype(df[column])
         table.add_column(str(column), justify="right" if numeric else "left")
     for row in df.itertuples(index=False):
-        table.add_row(*(float_format.format(v) if isinstance(v, float) else escape(str(v)) for v in row))
+        table.add_row(*(escape(cell_text(v, float_format)) for v in row))
     console.print(table)
 
 
@@ -162,31 +332,92 @@ def progress() -> Progress:
                     console=console, transient=False)
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type for '128,256,512'."""
+# --- argparse types: every experiment's options are checked with these, before any work -------------
+
+def _number(kind: Callable[[str], T], text: str) -> T:
     try:
-        return [int(x) for x in text.split(",") if x]
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
-    """argparse type for a count of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    """argparse type for a count of at least 1 (sizes, steps, repeats, processes)."""
+    value = _number(int, text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type for a count that may be 0 (warm-up steps)."""
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type for a finite quantity above 0 (times, bandwidths, capacities)."""
+    value = _number(float, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type for a finite quantity that may be 0."""
+    value = _number(float, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
+def _items(text: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected at least one value, got {text!r}")
+    return items
+
+
+def _int_list(text: str, minimum: int) -> list[int]:
+    values = [_number(int, x) for x in _items(text)]
+    bad = [v for v in values if v < minimum]
+    if bad:
+        raise argparse.ArgumentTypeError(f"every value must be at least {minimum}, "
+                                         f"got {', '.join(map(str, bad))}")
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type for '128,256,512': at least one item, each a whole number of at least 1."""
+    return _int_list(text, 1)
+
+
+def nonnegative_int_list(text: str) -> list[int]:
+    """argparse type for '0,4096': at least one item, each a whole number of at least 0."""
+    return _int_list(text, 0)
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type for '1,2.5,100': at least one item, each a finite number of at least 0."""
+    values = [_number(float, x) for x in _items(text)]
+    bad = [v for v in values if v < 0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"every value must be at least 0, got {', '.join(map(str, bad))}")
+    return values
+
+
 def str_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
-    """argparse type for 'a,b' whose items must be among choices ('all' means every choice)."""
+    """argparse type for 'a,b': at least one item, each among choices ('all' means every choice)."""
     allowed = list(choices)
 
     def parse(text: str) -> list[str]:
-        items = allowed if text == "all" else [x for x in text.split(",") if x]
+        items = allowed if text.strip() == "all" else _items(text)
         bad = [x for x in items if x not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"{', '.join(bad)} not among {', '.join(allowed)} (or 'all')")

@@ -28,7 +28,6 @@ processes with gloo, or runs under torchrun unchanged:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import math
@@ -46,19 +45,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import (
     console,
+    float_list,
     free_device_memory,
     make_parser,
+    mark_noise,
+    nonnegative_int,
     parse_args,
+    positive_float,
+    positive_int,
     print_table,
     save_results,
     str_list,
 )
-from benchmarks.launch import default_nproc, launch, tensor_device
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import make_ddp
+from minddp.launch import default_nproc, launch, tensor_device
 
 TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32",
-             "--warmup", "1", "--steps", "2"]
+             "--warmup", "2", "--steps", "8"]  # enough steps on CPU for a spread to compare with
 STRATEGIES = ["naive", "flat", "overlap", "bucketed", "torch"]
 BUCKET_SIZED = ("bucketed", "torch")  # one row per --bucket-mb
 SINGLE = "single"
@@ -81,16 +85,6 @@ class StepTimes:
     step_ms: list[float]
     peak_gib: float
     buckets: float  # gradient all-reduces per step of the minddp strategies; NaN otherwise
-
-
-def float_list(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not (0 <= v < math.inf) for v in values):
-        raise argparse.ArgumentTypeError(f"expected non-negative finite numbers, got {text!r}")
-    return values
 
 
 class _Clock:
@@ -259,16 +253,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16" if has_gpu else "fp32",
                         help="fp32, or bf16 autocast: parameters, gradients and their all-reduce stay fp32 "
                              "(bf16 on a GPU, fp32 without)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU (per rank)")
-    parser.add_argument("--context", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per GPU (per rank)")
+    parser.add_argument("--context", type=positive_int, default=256, help="tokens per sequence")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="nccl" if has_gpu else "gloo",
                         help="nccl: one GPU per rank; gloo: CPU processes (nccl on a GPU, gloo without)")
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", type=positive_int, default=None,
                         help="ranks (default: every GPU for nccl, 2 for gloo; torchrun's under torchrun); "
                              "1: one GPU alone, where the overhead is the wrappers' own host cost")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds before the workers are killed")
+    parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration")
+    parser.add_argument("--timeout", type=positive_float, default=1800,
+                        help="seconds before the workers are killed")
     args = parse_args(parser, argv)
     if args.batch < 1 or args.context < 1:
         parser.error("--batch and --context must be positive")
@@ -287,8 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     if rows is None:  # a torchrun rank other than 0
         return
     df = pd.DataFrame(rows)
-    print_table(df, f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
-                    f"{nproc} ranks ({args.backend})")
+    print_table(mark_noise(df, "exposed comm ms", "exposed std", {"exposed comm ms": "~0", "x single": "~1"}),
+                f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
+                f"{nproc} ranks ({args.backend})")
     print_overheads(df)
     save_results(df, "ddp", args, metadata={"ranks": str(nproc), "backend": args.backend,
                                             "model": args.size, "precision": args.precision,

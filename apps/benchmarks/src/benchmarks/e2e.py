@@ -43,8 +43,10 @@ from benchmarks.common import (
     int_list,
     is_oom,
     make_parser,
+    nonnegative_int,
     or_oom,
     parse_args,
+    positive_int,
     print_table,
     progress,
     save_results,
@@ -251,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context lengths, comma-separated; default 128,256,512 on a GPU, 64 without")
     parser.add_argument("--mode", choices=MODES, default="train",
                         help="forward; forward-backward; train (forward, backward and an AdamW step)")
-    parser.add_argument("--warmup", type=int, default=5, help="unmeasured steps before measuring")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps")
+    parser.add_argument("--warmup", type=nonnegative_int, default=5, help="unmeasured steps before measuring")
+    parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
     parser.add_argument("--precision", type=str_list(PRECISIONS), default="fp32",
                         help="fp32 and/or bf16 (autocast), comma-separated")
     parser.add_argument("--tf32", action="store_true",
@@ -261,20 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"attention implementations, comma-separated ({', '.join(ATTENTION)})")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per step")
-    parser.add_argument("--vocab-size", type=int, default=10_000, help="vocabulary size")
+    parser.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE, help="sequences per step")
+    parser.add_argument("--vocab-size", type=positive_int, default=10_000, help="vocabulary size")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and the random batch")
     parser.add_argument("--profile", choices=["kernels"], default=None,
                         help="kernels: per-phase kernel tables from torch.profiler, "
                              "saved as their own files")
-    parser.add_argument("--profile-steps", type=int, default=1, help="steps profiled by --profile kernels")
+    parser.add_argument("--profile-steps", type=positive_int, default=1,
+                        help="steps profiled by --profile kernels")
     parser.add_argument("--nvtx", action="store_true",
                         help="NVTX ranges for each block, its attention and feed-forward, "
                              "and naive attention's three parts")
     parser.add_argument("--memory", type=Path, default=None, metavar="FILE",
                         help="CUDA only: record the allocator history of fresh steps to FILE (a pickle), "
                              "draw FILE with suffix .png and save the per-phase peak table")
-    parser.add_argument("--memory-steps", type=int, default=3, help="steps recorded by --memory")
+    parser.add_argument("--memory-steps", type=positive_int, default=3, help="steps recorded by --memory")
     parser.add_argument("--name", default=None, help="results file name (default: e2e_<mode>)")
     return parser
 

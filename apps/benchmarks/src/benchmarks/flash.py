@@ -43,7 +43,9 @@ from benchmarks.common import (
     int_list,
     is_oom,
     make_parser,
+    nonnegative_float,
     parse_args,
+    positive_float,
     positive_int,
     print_table,
     progress,
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument(
         "--dtypes", type=str_list(DTYPES), default=None, help="dtypes of the sweep (default bfloat16,float32)"
     )
-    parser.add_argument("--batch", type=int, default=1, help="batch*heads of the sweep")
+    parser.add_argument("--batch", type=positive_int, default=1, help="batch*heads of the sweep")
     parser.add_argument(
         "--shapes",
         type=shape_list,
@@ -340,16 +342,18 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument(
         "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal masking"
     )
-    parser.add_argument("--naive-max-seq", type=int, default=16384, help="skip naive attention above this T")
+    parser.add_argument("--naive-max-seq", type=positive_int, default=16384,
+                        help="skip naive attention above this T")
     parser.add_argument(
-        "--torch-max-seq", type=int, default=8192, help="skip FlashAttentionTorch above this T"
+        "--torch-max-seq", type=positive_int, default=8192, help="skip FlashAttentionTorch above this T"
     )
-    parser.add_argument("--warmup", type=float, default=10.0, help="do_bench warm-up, ms")
-    parser.add_argument("--rep", type=float, default=50.0, help="do_bench measuring time, ms")
-    parser.add_argument("--geomean-min-seq", type=int, default=1024, help="geometric means over T >= this")
+    parser.add_argument("--warmup", type=nonnegative_float, default=10.0, help="do_bench warm-up, ms")
+    parser.add_argument("--rep", type=positive_float, default=50.0, help="do_bench measuring time, ms")
+    parser.add_argument("--geomean-min-seq", type=positive_int, default=1024,
+                        help="geometric means over T >= this")
     parser.add_argument("--name", default="flash", help="results file name (for runs of different sweeps)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
-    parser.add_argument("--max-minutes", type=float, default=None,
+    parser.add_argument("--max-minutes", type=nonnegative_float, default=None,
                         help="start no cell after this long; the cells left read 'skipped'")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="time every cell this many times, in rounds over all cells (so that a slow "

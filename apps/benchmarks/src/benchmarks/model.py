@@ -1,7 +1,16 @@
 """The reference Transformer LM of the experiments (CS336 "basics" architecture) and its sizes.
 
 Pre-norm blocks: x + MHA(RMSNorm(x)) then x + SwiGLU(RMSNorm(x)); RoPE on queries and keys;
-no biases; untied embedding and LM head. The attention function is pluggable by name.
+no biases; untied embedding and LM head. The attention function is pluggable by name, and so is
+the activation-checkpointing policy (``torch.utils.checkpoint``, non-reentrant):
+
+- ``none``: every activation is kept for the backward;
+- ``blocks``: every block is checkpointed (only its input is kept; it is recomputed in the backward);
+- ``every-k``: blocks 0, k, 2k, ... are checkpointed, the others keep their activations;
+- ``sqrt``: the blocks form segments of ceil(sqrt(L)) consecutive blocks, one checkpoint each
+  (Chen et al., 2016: O(sqrt(L)) block activations held at any time);
+- ``attention``: selective recomputation (Korthikanti et al., 2022): only the attention core
+  (scores, softmax, weighted sum: the activations that grow with T^2) is recomputed.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -131,11 +141,17 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope = RotaryEmbedding(cfg.d_model // cfg.num_heads, cfg.context_length, cfg.rope_theta)
         self.attend = ATTENTION[attention]
+        self.recompute_core = False  # set by the "attention" checkpoint policy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
-        y = self.attend(self.rope(q), self.rope(k), v)  # (B, H, T, d_head)
+        q, k = self.rope(q), self.rope(k)
+        if self.recompute_core:
+            # v made contiguous: a view would keep the whole qkv projection alive as the checkpoint's input.
+            y = torch.utils.checkpoint.checkpoint(self.attend, q, k, v.contiguous(), use_reentrant=False)
+        else:
+            y = self.attend(q, k, v)  # (B, H, T, d_head)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -163,14 +179,34 @@ class TransformerBlock(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+CHECKPOINT_POLICIES = ["none", "blocks", "every-k", "sqrt", "attention"]
+
+
+def checkpoint_segments(policy: str, num_layers: int, every: int = 2) -> list[tuple[int, int, bool]]:
+    """The blocks as (start, stop, recompute) runs: each run with recompute=True is one checkpoint."""
+    if policy not in CHECKPOINT_POLICIES:
+        raise ValueError(f"checkpoint={policy!r} is not one of {', '.join(CHECKPOINT_POLICIES)}")
+    if every < 1:
+        raise ValueError(f"checkpoint_every must be at least 1, got {every}")
+    if policy == "sqrt":
+        size = math.ceil(math.sqrt(num_layers))
+        return [(i, min(i + size, num_layers), True) for i in range(0, num_layers, size)]
+    recompute = {"blocks": lambda i: True, "every-k": lambda i: i % every == 0}.get(policy, lambda i: False)
+    return [(i, i + 1, recompute(i)) for i in range(num_layers)]
+
+
 class TransformerLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, attention: str = "naive") -> None:
+    def __init__(self, cfg: ModelConfig, attention: str = "naive", checkpoint: str = "none",
+                 checkpoint_every: int = 2) -> None:
         super().__init__()
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(cfg, attention) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.segments = checkpoint_segments(checkpoint, cfg.num_layers, checkpoint_every)
+        for block in self.blocks:
+            block.attn.recompute_core = checkpoint == "attention"
         self.apply(_init_weights)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -178,9 +214,19 @@ class TransformerLM(nn.Module):
             raise ValueError(f"tokens: sequence length {tokens.shape[-1]} exceeds "
                              f"context_length={self.cfg.context_length}")
         x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
+        for start, stop, recompute in self.segments:
+            blocks = self.blocks[start:stop]
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(_run_blocks, blocks, x, use_reentrant=False)
+            else:
+                x = _run_blocks(blocks, x)
         return self.lm_head(self.final_norm(x))
+
+
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
 
 
 def _init_weights(module: nn.Module) -> None:

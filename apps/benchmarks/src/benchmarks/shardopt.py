@@ -24,7 +24,7 @@ Goal: optimizer-state bytes per rank <= unsharded / N + the state of one largest
 a step no slower than ZeroRedundancyOptimizer's in the same run.
 
 Runs on 2 GPUs (NCCL) when there are 2 (XL model), else on 2 CPU processes (gloo, tiny model).
-Spawns its workers itself (benchmarks.launch), or runs under torchrun:
+Spawns its workers itself (minddp.launch), or runs under torchrun:
     torchrun --nproc-per-node 2 -m benchmarks.shardopt
 """
 
@@ -49,14 +49,17 @@ from benchmarks.common import (
     device_name,
     free_device_memory,
     make_parser,
+    nonnegative_int,
     parse_args,
+    positive_float,
+    positive_int,
     print_table,
     save_results,
     str_list,
 )
-from benchmarks.launch import launch, tensor_device, under_torchrun
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
 from minddp import STRATEGIES, make_ddp
+from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps, synchronize
 from profkit.timing import total_mean
 from shardopt import ShardedOptimizer
@@ -282,25 +285,26 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser("shardopt", __doc__)
-    parser.add_argument("--nproc", type=int, default=None,
+    parser.add_argument("--nproc", type=positive_int, default=None,
                         help="workers to spawn; default 2 (under torchrun: its world size, leave this out)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
                         help="default: cuda (NCCL) when there is a GPU per worker, else cpu (gloo)")
     parser.add_argument("--size", choices=list(MODEL_SIZES), default=None,
                         help="model size; default xl on CUDA, tiny on CPU")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help="sequences per rank; default 4 (CUDA), 2 (CPU)")
-    parser.add_argument("--context-length", type=int, default=None, help="default 256 (CUDA), 64 (CPU)")
+    parser.add_argument("--context-length", type=positive_int, default=None,
+                        help="default 256 (CUDA), 64 (CPU)")
     parser.add_argument("--optimizers", type=str_list(OPTIMIZERS), default=list(OPTIMIZERS),
                         help=f"comma-separated, among {', '.join(OPTIMIZERS)} (or 'all')")
     parser.add_argument("--ddp", choices=DDP_CHOICES, default="torch",
                         help="gradient averaging: torch's DistributedDataParallel or a minddp strategy")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per optimizer")
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations per optimizer")
+    parser.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed iterations per optimizer")
+    parser.add_argument("--iters", type=positive_int, default=5, help="timed iterations per optimizer")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (all three optimizers)")
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="sdpa", help="attention function")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model; each rank's data adds its rank")
-    parser.add_argument("--timeout", type=float, default=600,
+    parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)
     workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or 2)

@@ -1,7 +1,8 @@
 """Small, readable data-parallel wrappers over torch.distributed, each a drop-in for torch's
 DistributedDataParallel.
 
-Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce.
+Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce;
+and FSDP, which shards parameters, gradients and optimizer state (ZeRO stage 3).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from minddp.after_backward import FlatDDP, NaiveDDP
 from minddp.base import DataParallel
 from minddp.buckets import GradBucket
+from minddp.fsdp import FSDP
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
 __version__ = "0.2.0"
@@ -36,5 +38,6 @@ def make_ddp(strategy: str, module: nn.Module, **kwargs: Any) -> DataParallel:
     return STRATEGIES[strategy](module, **kwargs)
 
 
-__all__ = ["STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "GradBucket", "NaiveDDP", "OverlapDDP",
+__all__ = ["FSDP", "STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "GradBucket", "NaiveDDP",
+           "OverlapDDP",
            "make_ddp", "__version__"]

@@ -1,0 +1,156 @@
+"""Data-parallel training strategies: step time against one device, and the bucket model's prediction."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from benchmarks.common import NOISE, within_noise
+from benchmarks.report.allreduce import fit_allreduce
+from benchmarks.report.core import (
+    Context,
+    ResultFile,
+    Section,
+    axes,
+    missing_columns,
+    missing_note,
+    numeric,
+    prefixed,
+    style,
+)
+
+
+def ddp_labels(df: pd.DataFrame) -> pd.Series:
+    """'naive', 'bucketed (25 MiB)', or 'bucketed (25 MiB, 7 buckets)' when the count is recorded."""
+    def column(name: str) -> pd.Series:
+        return numeric(df[name]) if name in df else pd.Series(math.nan, index=df.index)
+
+    labels = []
+    for strategy, size, count in zip(df["strategy"], column("bucket MiB"), column("buckets"), strict=True):
+        if strategy != "bucketed" or math.isnan(size):
+            labels.append(str(strategy))
+        else:
+            buckets = "" if math.isnan(count) else f", {count:g} buckets"
+            labels.append(f"bucketed ({size:g} MiB{buckets})")
+    return pd.Series(labels, index=df.index)
+
+
+def noise_flags(df: pd.DataFrame) -> pd.Series:
+    """Rows whose difference from one device (exposed comm) is within its recorded spread."""
+    if not {"exposed comm ms", "exposed std"} <= set(df.columns):
+        return pd.Series(False, index=df.index)
+    return pd.Series([within_noise(d, s) for d, s in zip(numeric(df["exposed comm ms"]),
+                                                          numeric(df["exposed std"]), strict=True)],
+                     index=df.index)
+
+
+def against_single(row: pd.Series, ref: float) -> str:
+    return "within noise of single" if row["noise"] else f"{row['step'] / ref:.3f}x single"
+
+
+def render_ddp(ctx: Context) -> list[str]:
+    lines: list[str] = []
+    for f in ctx.files:
+        df = f.df
+        facts = [f"{f.meta['model']} model" if "model" in f.meta else "", f.meta.get("precision", ""),
+                 f"{f.meta['ranks']} ranks" if "ranks" in f.meta else ""]
+        lines += ctx.table(f, ", ".join(["DDP step time", *filter(None, facts)]))
+        missing = missing_columns(df, ["strategy", "step ms"])
+        if missing:
+            lines.append(missing_note("The analysis", missing))
+            continue
+        df = df.assign(step=numeric(df["step ms"]), label=ddp_labels(df), noise=noise_flags(df))
+        single = df[df["strategy"] == "single"]["step"]
+        dist = df[(df["strategy"] != "single") & df["step"].notna()].sort_values("step")
+        if single.notna().any() and len(dist):
+            lines += step_findings(df, dist, float(single.iloc[0]))
+            lines.append(ddp_prediction(ctx, f, dist[dist["strategy"] == "bucketed"]))
+        lines += ["", ddp_plot(ctx, df), ""]
+    return lines
+
+
+def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]:
+    """What the step times say against one device (``ref`` ms), differences within noise marked so."""
+    best, worst = dist.iloc[0], dist.iloc[-1]
+    lines = [f"- One device alone (same per-device batch): {ref:.4g} ms per step. Fastest data-parallel: "
+             f"{best['label']} {best['step']:.4g} ms ({against_single(best, ref)}); "
+             f"slowest: {worst['label']} {worst['step']:.4g} ms ({against_single(worst, ref)})."]
+    if "exposed comm ms" in df:
+        exposed = [f"~0 {NOISE}" if r["noise"] else f"{float(r['exposed comm ms']):.3g} ms"
+                   for _, r in dist.iterrows()]
+        pairs = zip(dist["label"], exposed, strict=True)
+        lines.append("- Communication not hidden behind backward (step - single): "
+                     + ", ".join(f"{label} {e}" for label, e in pairs) + ".")
+    if dist["noise"].any():
+        lines.append(f"- Noise: {int(dist['noise'].sum())} of {len(dist)} strategies differ from one device "
+                     "by less than the spread of that difference (from the std of the steps); their sign "
+                     "and ratio are not findings. More steps, or a GPU, tell them apart.")
+    bucketed = dist[dist["strategy"] == "bucketed"]
+    torch_ddp = dist[dist["strategy"] == "torch"]
+    if len(bucketed):
+        b = bucketed.iloc[0]
+        if b["noise"]:
+            lines.append(f"- Best bucketed: {b['label']}, within noise of one device: this run gives no "
+                         "verdict on the 1.10x goal.")
+        else:
+            verdict = "meets" if b["step"] / ref <= 1.10 else "misses"
+            change = (b["step"] / torch_ddp["step"].iloc[0] - 1) * 100 if len(torch_ddp) else math.nan
+            against = "." if math.isnan(change) else f"; {change:+.1f}% against torch DDP, same run."
+            lines.append(f"- Best bucketed: {b['label']}, {b['step'] / ref:.3f}x single ({verdict} the 1.10x "
+                         f"goal){against}")
+    return lines
+
+
+def ddp_prediction(ctx: Context, f: ResultFile, bucketed: pd.DataFrame) -> str | None:
+    """The bucket model's optimum from this device's all-reduce fit, beside the measured best bucket."""
+    from benchmarks.accounting import BYTES_FP32, MB, best_integer_bucket_count, model_parameter_count
+    from benchmarks.model import MODEL_SIZES
+
+    allreduce = [r for r in ctx.all_results if r.name == "allreduce" and r.device == f.device]
+    size = f.meta.get("model")
+    if not allreduce or len(bucketed) < 2 or size not in MODEL_SIZES:
+        return None
+    ranks = int(f.meta.get("ranks", 2))
+    backend = f.meta.get("backend", "nccl")
+    fits = [x for x in fit_allreduce(allreduce[0].df) if x.backend == backend and x.ranks == ranks]
+    if not fits or fits[0].overhead_s <= 0 or not fits[0].bandwidth > 0:
+        return None
+    s = BYTES_FP32 * model_parameter_count(size)
+    n = best_integer_bucket_count(s, fits[0].bandwidth, fits[0].overhead_s)
+    return (f"- With this device's all-reduce fit (o = {fits[0].overhead_s * 1e6:.3g} µs, w = "
+            f"{fits[0].bandwidth / 1e9:.3g} GB/s) the bucket model predicts {s / n / MB:.0f} MB buckets; "
+            f"the fastest measured was {bucketed.iloc[0]['label']}.")
+
+
+def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
+    bucketed = df[(df["strategy"] == "bucketed") & df["step"].notna()]
+    sweep = "bucket MiB" in df and bucketed["bucket MiB"].nunique() > 1
+    fig, panels = axes(2 if sweep else 1)
+    ax = panels[0]
+    rows = df[df["step"].notna()]
+    std = numeric(rows["step std"]) if "step std" in rows else None
+    colors = ["tab:gray" if s == "single" else "tab:blue" for s in rows["strategy"]]
+    ax.barh(rows["label"], rows["step"], xerr=std, color=colors)
+    ax.invert_yaxis()
+    style(ax, "step time (ms), mean ± std", "", "Step time per strategy", logx=False, logy=False)
+    if sweep:
+        ax = panels[1]
+        b = bucketed.sort_values("bucket MiB")
+        std = numeric(b["step std"]) if "step std" in b else None
+        ax.errorbar(numeric(b["bucket MiB"]), b["step"], yerr=std, marker="o", label="bucketed")
+        for name, color in (("torch", "tab:red"), ("single", "tab:gray")):
+            ref = df[df["strategy"] == name]["step"]
+            if ref.notna().any():
+                ax.axhline(float(ref.iloc[0]), color=color, ls="--", label=f"{name}")
+        style(ax, "bucket size (MiB)", "step time (ms)", "Bucketed DDP: bucket size", logy=False)
+    return ctx.figure("ddp_step_time", fig, "DDP step time per strategy and bucket size")
+
+
+SECTION = Section(
+    key="ddp",
+    title="Data-parallel training strategies",
+    command="python -m benchmarks.ddp",
+    matches=prefixed("ddp"),
+    render=render_ddp,
+)

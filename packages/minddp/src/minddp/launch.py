@@ -1,0 +1,213 @@
+"""Run a function on every rank of a process group: local processes spawned here, or under torchrun.
+
+    from minddp.launch import launch, spawn
+
+    def measure(sizes):                     # a module-level function: each rank runs it
+        rank = torch.distributed.get_rank()  # inside an initialized default group
+        ...
+        return rows
+
+    rows = launch(measure, nproc=2, backend="gloo", args=(sizes,))   # rank 0's result
+    every = spawn(measure, 2, args=(sizes,))                         # every rank's, in rank order
+
+:func:`spawn` starts ``nproc`` processes on this host that meet on a free localhost port; each
+calls ``fn(*args)`` inside an initialized default group and sends back its result. A worker's
+exception is raised here as :class:`WorkerError` naming its rank, with its traceback; a worker
+that dies without a result, likewise; past ``timeout_s`` every worker is killed and
+:class:`TimeoutError` names the ranks still running. Nothing is left behind to hang.
+
+:func:`launch` is the command-line form: under torchrun (``RANK`` and ``WORLD_SIZE`` set) it
+runs ``fn`` in this process instead, in torchrun's group, so a command written with ``launch``
+runs unchanged on one host or on many; there rank 0 gets the result and the other ranks ``None``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+Backend = Literal["gloo", "nccl"]
+BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died: its ``rank`` and ``worker_traceback`` (or how it ended)."""
+
+    def __init__(self, rank: int, worker_traceback: str) -> None:
+        super().__init__(f"rank {rank} failed:\n{worker_traceback}")
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (``RANK`` and ``WORLD_SIZE`` set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_nproc(backend: str) -> int:
+    """The world size a plain run gets: torchrun's, else every GPU for NCCL, else 2 CPU processes."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return torch.cuda.device_count() if backend == "nccl" else 2
+
+
+def tensor_device(backend: str) -> torch.device:
+    """Where a rank's tensors live for ``backend``: its GPU for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_backend(backend: str, nproc: int | None) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA GPUs; use backend='gloo' on CPU")
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    if backend == "nccl" and nproc is not None and nproc > torch.cuda.device_count():
+        raise ValueError(f"nproc={nproc} NCCL ranks need as many GPUs; "
+                         f"this host has {torch.cuda.device_count()}")
+
+
+def spawn(fn: Callable[..., T], nproc: int, args: Sequence[Any] = (), *, backend: Backend = "gloo",
+          timeout_s: float = 1800.0, start_method: Literal["spawn", "fork"] = "spawn",
+          threads_per_rank: int | None = None) -> list[T]:
+    """``fn(*args)`` on ``nproc`` new local processes, one rank each of a ``backend`` group; every result.
+
+    Returns each rank's result in rank order. ``fn`` and its results must pickle with
+    ``start_method="spawn"`` (the default: CUDA cannot be used in forked children); ``"fork"``
+    starts faster and takes any callable, for CPU work. NCCL gives each rank the GPU of its local
+    rank. ``threads_per_rank`` sets torch's intra-op threads (default: the CPU cores shared out).
+    ``timeout_s`` bounds the whole run and every collective in it.
+    """
+    _check_backend(backend, nproc)
+    ctx = multiprocessing.get_context(start_method)
+    results: multiprocessing.Queue = ctx.Queue()
+    port = free_port()
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    procs = [ctx.Process(target=_worker, name=f"rank{rank}",
+                         args=(fn, tuple(args), rank, nproc, backend, port, timeout_s, threads, results))
+             for rank in range(nproc)]
+    for p in procs:
+        p.start()
+    finished: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    succeeded = False
+    try:
+        while len(finished) < nproc:
+            try:
+                rank, error, result = results.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                for rank, p in enumerate(procs):
+                    if rank not in finished and p.exitcode is not None:
+                        raise WorkerError(rank, f"exited with code {p.exitcode} without a result") from None
+                if time.monotonic() >= deadline:
+                    running = [r for r in range(nproc) if r not in finished]
+                    raise TimeoutError(f"ranks {running} still running after timeout_s={timeout_s:.0f} s; "
+                                       "killed them") from None
+                continue
+            if error is not None:
+                raise WorkerError(rank, error)
+            finished[rank] = result
+        succeeded = True
+    finally:
+        _stop(procs, grace_s=30.0 if succeeded else 0.0)
+    return [finished[rank] for rank in range(nproc)]
+
+
+def launch(fn: Callable[..., T], nproc: int | None, backend: Backend, args: Sequence[Any] = (),
+           timeout_s: float = 1800.0) -> T | None:
+    """``fn(*args)`` on ``nproc`` ranks of a ``backend`` group; rank 0's result (``None`` on other ranks).
+
+    Without torchrun: :func:`spawn` (``nproc=None`` means :func:`default_nproc`). Under torchrun:
+    ``fn`` runs in this process, in the default group (initialized here if need be, serving CPU
+    tensors by gloo and CUDA tensors by NCCL), and ``nproc`` must be ``None`` or the world size.
+    """
+    if under_torchrun():
+        return _run_in_torchrun(fn, nproc, backend, args, timeout_s)
+    _check_backend(backend, nproc)
+    return spawn(fn, default_nproc(backend) if nproc is None else nproc, args, backend=backend,
+                 timeout_s=timeout_s)[0]
+
+
+def _run_in_torchrun(fn: Callable[..., T], nproc: int | None, backend: str, args: Sequence[Any],
+                     timeout_s: float) -> T | None:
+    world_size = int(os.environ["WORLD_SIZE"])
+    if nproc is not None and nproc != world_size:
+        raise ValueError(f"nproc={nproc}, but torchrun started WORLD_SIZE={world_size} ranks; "
+                         "leave nproc out under torchrun")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        # One default group for the whole run, serving CPU tensors by gloo and CUDA tensors by NCCL,
+        # so one command can measure both backends.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(_destroy_default_group)
+    served = str(dist.get_backend_config())
+    if f":{backend}" not in served and served != backend:
+        raise ValueError(f"backend={backend!r}, but the process group serves {served}")
+    result = fn(*args)
+    return result if dist.get_rank() == 0 else None
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, nproc: int, backend: str, port: int,
+            timeout_s: float, threads: int, results: multiprocessing.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        torch.set_num_threads(threads)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        results.put((rank, None, fn(*args)))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Give workers ``grace_s`` to exit, then terminate, then kill the rest (stuck in a collective)."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+__all__ = ["BACKENDS", "WorkerError", "default_nproc", "free_port", "launch", "spawn", "tensor_device",
+           "under_torchrun"]

@@ -1,0 +1,342 @@
+"""minddp.FSDP on 2 and 3 gloo ranks trains exactly like one process, with 1/N of the memory per rank.
+
+The reference is one process that runs each rank's micro-batch in turn on the full model,
+accumulates the gradients and divides by N: mathematically the mean over the concatenated batch,
+and in floating point the same sums FSDP does, so at 2 ranks (a sum of two is order-free) the
+parameters must match bit for bit. They must also match a plain backward over the concatenated
+batch to rounding. The model has Transformer-style blocks, an LM head tied to the embedding, a
+frozen layer, 1-D parameters (kept whole) and unit sizes that need padding at 2 and 3 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+
+from minddp import FSDP
+
+VOCAB, D, HIDDEN, SEQ, PER_RANK, STEPS = 11, 5, 7, 4, 3, 3
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.2, momentum=0.9, weight_decay=0.01),
+              "adamw": lambda params: torch.optim.AdamW(params, lr=0.05)}
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Blocks of 35 + 35 weights (padded at 3 ranks), a tied 55-weight embedding (padded at 2)."""
+
+    def __init__(self, layers: int = 2, d: int = D, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, d)
+        self.frozen = nn.Linear(d, d, bias=False).requires_grad_(False)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.frozen(self.embedding(tokens))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def batches(world_size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (world_size * PER_RANK, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def cast_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """A copy with the weights FSDP computes with: every parameter in ``dtype`` (if given)."""
+    return copy.deepcopy(model) if dtype is None else copy.deepcopy(model).to(dtype)
+
+
+def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, world_size: int,
+                   dtype: torch.dtype | None) -> None:
+    """Each rank's micro-batch in turn, gradients summed in fp32 then divided by the world size."""
+    optimizer.zero_grad(set_to_none=True)
+    for micro in batch.chunk(world_size):
+        low = cast_copy(model, dtype)
+        loss_of(low, micro).backward()
+        for p, q in zip(model.parameters(), low.parameters(), strict=True):
+            if q.grad is not None:
+                grad = q.grad.float()
+                p.grad = grad if p.grad is None else p.grad + grad
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= world_size
+    optimizer.step()
+
+
+def concatenated_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss_of(model, batch).backward()
+    optimizer.step()
+
+
+def largest_difference(full: dict[str, torch.Tensor], model: nn.Module) -> float:
+    return max((full[n] - p).abs().max().item() for n, p in model.named_parameters())
+
+
+def train_and_compare(rank: int, world_size: int) -> dict[str, Any]:
+    """Every (optimizer, compute dtype) case; per case the largest differences from both references."""
+    report = {}
+    for opt_name, dtype_name in itertools.product(OPTIMIZERS, COMPUTE_DTYPES):
+        dtype = COMPUTE_DTYPES[dtype_name]
+        torch.manual_seed(0)
+        base = TinyLM()
+        reference, concatenated = copy.deepcopy(base), copy.deepcopy(base)
+        torch.manual_seed(100 + rank)  # other ranks start elsewhere: FSDP must take rank 0's values
+        own = copy.deepcopy(base) if rank == 0 else TinyLM()
+        fsdp = FSDP(own, compute_dtype=dtype)
+        optimizer = OPTIMIZERS[opt_name](fsdp.parameters())
+        ref_opt = OPTIMIZERS[opt_name](reference.parameters())
+        cat_opt = OPTIMIZERS[opt_name](concatenated.parameters())
+        for batch in batches(world_size):
+            optimizer.zero_grad(set_to_none=True)
+            loss_of(fsdp, batch.chunk(world_size)[rank]).backward()
+            fsdp.finish_gradient_synchronization()
+            optimizer.step()
+            reference_step(reference, ref_opt, batch, world_size, dtype)
+            concatenated_step(concatenated, cat_opt, batch)
+        full = fsdp.gather_full_params()
+        assert list(full) == [n for n, _ in base.named_parameters()]
+        report[f"{opt_name}-{dtype_name}"] = {"vs_reference": largest_difference(full, reference),
+                                               "vs_concatenated": largest_difference(full, concatenated),
+                                               "moved": largest_difference(full, base)}
+    return report
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def training_reports(request: pytest.FixtureRequest, ranks: Any) -> tuple[int, list[dict[str, Any]]]:
+    return request.param, ranks(train_and_compare, request.param, timeout=180)
+
+
+@pytest.mark.parametrize("case", [f"{o}-{d}" for o, d in itertools.product(OPTIMIZERS, COMPUTE_DTYPES)])
+def test_training_matches_one_process(training_reports: tuple[int, list[dict[str, Any]]], case: str) -> None:
+    world_size, reports = training_reports
+    for report in reports:
+        result = report[case]
+        assert result["moved"] > 1e-3  # training changed the parameters, so equality means something
+        if world_size == 2:
+            assert result["vs_reference"] == 0.0, result
+        else:
+            assert result["vs_reference"] < 1e-6, result
+        tolerance = 1e-5 if case.endswith("fp32") else 5e-2
+        assert result["vs_concatenated"] < tolerance, result
+
+
+def accumulate(rank: int, world_size: int) -> dict[str, float]:
+    """Two backward passes before one synchronization, and two forwards before one backward."""
+    differences = {}
+    for mode in ("two backwards", "two forwards"):
+        torch.manual_seed(0)
+        base = TinyLM()
+        reference = copy.deepcopy(base)
+        fsdp = FSDP(copy.deepcopy(base))
+        first, second = batches(world_size)[:2]
+        mine = [first.chunk(world_size)[rank], second.chunk(world_size)[rank]]
+        if mode == "two backwards":
+            loss_of(fsdp, mine[0]).backward()
+            loss_of(fsdp, mine[1]).backward()
+        else:
+            (loss_of(fsdp, mine[0]) + loss_of(fsdp, mine[1])).backward()
+        fsdp.finish_gradient_synchronization()
+        torch.optim.SGD(fsdp.parameters(), lr=1.0).step()
+        for batch in (first, second):
+            for micro in batch.chunk(world_size):
+                (loss_of(reference, micro) / world_size).backward()
+        torch.optim.SGD(reference.parameters(), lr=1.0).step()
+        differences[mode] = largest_difference(fsdp.gather_full_params(), reference)
+    return differences
+
+
+def test_gradients_accumulate_until_synchronized(ranks: Any) -> None:
+    for differences in ranks(accumulate, 2):
+        assert differences["two backwards"] < 1e-6 and differences["two forwards"] < 1e-6, differences
+
+def shared_across_units(rank: int, world_size: int) -> dict[str, Any]:
+    """A weight used by two blocks (two units) belongs to the root unit and trains like one tensor."""
+    torch.manual_seed(0)
+    base = TinyLM()
+    base.blocks[1].up.weight = base.blocks[0].up.weight
+    reference = copy.deepcopy(base)
+    fsdp = FSDP(copy.deepcopy(base))
+    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    for batch in batches(world_size):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(fsdp, batch.chunk(world_size)[rank]).backward()
+        fsdp.finish_gradient_synchronization()
+        optimizer.step()
+        reference_step(reference, ref_opt, batch, world_size, None)
+    root = next(u for u in fsdp.units if u.name == "")
+    return {"difference": largest_difference(fsdp.gather_full_params(), reference),
+            "in_root": "blocks.0.up.weight" in [slot.name for slot in root.slots],
+            "moved": largest_difference(fsdp.gather_full_params(), base)}
+
+
+def test_a_weight_shared_by_two_units_trains_as_one(ranks: Any) -> None:
+    for result in ranks(shared_across_units, 2):
+        assert result["in_root"] and result["moved"] > 1e-3
+        assert result["difference"] == 0.0, result
+
+# --- memory -----------------------------------------------------------------------------------------
+
+def memory_per_rank(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyLM(layers=4, d=16, hidden=48)
+    total = {"params": sum(p.numel() for p in model.parameters()),
+             "block": sum(p.numel() for p in model.blocks[0].parameters() if p.dim() >= 2),
+             "root": model.embedding.weight.numel()}
+    whole = [p for p in model.parameters() if p.dim() < 2 or not p.requires_grad]
+    fsdp = FSDP(model)
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
+    peak_gathered = [0]
+    in_backward_gathered = [0]
+
+    def sample(backward: bool) -> None:
+        now = sum(u.gathered_nbytes for u in fsdp.units)
+        peak_gathered[0] = max(peak_gathered[0], now)
+        if backward:
+            in_backward_gathered[0] = max(in_backward_gathered[0], now)
+
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda *_: sample(False))
+        m.register_forward_hook(lambda *_: sample(False))
+        if m is not model and not list(m.children()):
+            m.register_full_backward_pre_hook(lambda *_: sample(True))
+    for _ in range(2):  # the second iteration prefetches
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(fsdp, batches(world_size)[0].chunk(world_size)[rank]).backward()
+        fsdp.finish_gradient_synchronization()
+        optimizer.step()
+    with torch.no_grad():
+        fsdp(batches(world_size)[0][:, :-1])
+    freed_after_no_grad = sum(u.gathered_nbytes for u in fsdp.units)
+    held = {"params": sum(p.nbytes for p in fsdp.parameters()),
+            "grads": sum(p.grad.nbytes for p in fsdp.parameters() if p.grad is not None),
+            "state": sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.dim() > 0)}
+    shards = sum(u.padded_numel for u in fsdp.units) // world_size
+    return {"total": total, "held": held, "shards": shards, "peak": peak_gathered[0],
+            "after_no_grad": freed_after_no_grad,
+            "whole": sum(p.numel() for p in whole),
+            "units": [u.name for u in fsdp.units],
+            "whole_trainable": sum(p.numel() for p in whole if p.requires_grad),
+            "backward": in_backward_gathered[0], "after": sum(u.gathered_nbytes for u in fsdp.units)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_memory_per_rank_is_a_shard_plus_the_gathered_units(ranks: Any, world_size: int) -> None:
+    for r in ranks(memory_per_rank, world_size):
+        total = r["total"]
+        padding = r["shards"] * world_size - (total["params"] - r["whole"])
+        assert 0 <= padding < world_size * len(r["units"])
+        assert r["held"]["params"] == 4 * (r["shards"] + r["whole"])  # fp32 bytes
+        assert r["held"]["grads"] == 4 * (r["shards"] + r["whole_trainable"])
+        assert r["held"]["state"] == 2 * r["held"]["grads"]  # AdamW: exp_avg and exp_avg_sq
+        assert r["held"]["params"] < 0.6 * 4 * total["params"]  # about 1/N of the model
+        # At most the root (embedding) and two blocks (the one running, the next prefetched) at once.
+        limit = 4 * (total["root"] + 2 * total["block"] + 2 * world_size)
+        assert r["peak"] >= 4 * (total["root"] + 2 * total["block"])  # the next block's gather was in flight
+        assert r["peak"] <= limit
+        assert r["backward"] >= 4 * total["block"]  # the backward gathered again
+        assert r["after"] == 0  # everything freed once the gradients are synchronized
+        assert r["after_no_grad"] == 0  # and after a forward without gradients
+
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+def train_and_save(rank: int, world_size: int, folder: str) -> None:
+    """One AdamW step at this world size, then a full state dict (rank 0) and a sharded checkpoint (DCP)."""
+    torch.manual_seed(0)
+    fsdp = FSDP(TinyLM())
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=0.05)
+    loss_of(fsdp, batches(world_size)[0].chunk(world_size)[rank]).backward()
+    fsdp.finish_gradient_synchronization()
+    optimizer.step()
+    full = fsdp.full_state_dict()
+    if rank == 0:
+        torch.save(full, f"{folder}/full.pt")
+    dcp.save(fsdp.sharded_state_dict(), checkpoint_id=f"{folder}/sharded")
+
+
+def load_and_compare(rank: int, world_size: int, folder: str) -> dict[str, float]:
+    """Both checkpoints loaded into a fresh model at this world size; differences from the saved values."""
+    saved = torch.load(f"{folder}/full.pt")
+    torch.manual_seed(1)  # different initial values, overwritten by the loads
+    fsdp = FSDP(TinyLM())
+    fsdp.load_full_state_dict(saved)
+    from_full = fsdp.full_state_dict()
+    torch.manual_seed(2)
+    fsdp = FSDP(TinyLM())
+    state = fsdp.sharded_state_dict()
+    dcp.load(state, checkpoint_id=f"{folder}/sharded")
+    fsdp.load_sharded_state_dict(state)
+    from_sharded = fsdp.full_state_dict()
+    assert list(from_full) == list(saved) == list(from_sharded)
+    return {"full": max((from_full[k] - v).abs().max().item() for k, v in saved.items()),
+            "sharded": max((from_sharded[k] - v).abs().max().item() for k, v in saved.items())}
+
+
+@pytest.mark.parametrize(("save_at", "load_at"), [(2, 3), (3, 2)])
+def test_checkpoints_move_between_world_sizes(ranks: Any, tmp_path: Any, save_at: int, load_at: int) -> None:
+    ranks(train_and_save, save_at, str(tmp_path))
+    for differences in ranks(load_and_compare, load_at, str(tmp_path)):
+        assert differences == {"full": 0.0, "sharded": 0.0}
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+class NormOnlyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+
+
+def error_messages(rank: int, world_size: int) -> dict[str, str]:
+    cases = {
+        "differs": lambda: FSDP(TinyLM(hidden=HIDDEN + rank)),
+        "empty unit": lambda: FSDP(nn.Sequential(NormOnlyBlock(), nn.Linear(D, D)), wrap=[NormOnlyBlock]),
+        "integer dtype": lambda: FSDP(TinyLM(), compute_dtype=torch.int32),
+    }
+    messages = {}
+    for name, build in cases.items():
+        try:
+            build()
+        except ValueError as exc:
+            messages[name] = str(exc)
+        dist.barrier()
+    return messages
+
+
+def test_bad_input_gets_a_clear_error_on_every_rank(ranks: Any) -> None:
+    for messages in ranks(error_messages, 2):
+        assert "module: rank 0 has parameter blocks.0.up.weight (7, 5)" in messages["differs"]
+        assert "rank 1 has parameter blocks.0.up.weight (8, 5)" in messages["differs"]
+        assert "wrap: module '0' (NormOnlyBlock) has no parameters to shard" in messages["empty unit"]
+        assert "compute_dtype=torch.int32 is not a floating-point" in messages["integer dtype"]
