@@ -148,6 +148,14 @@ def _attention_and_gradients(
     return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def tuning_cache_of_the_session(tmp_path_factory):
+    """Tuned choices go to a directory of this test session's, not to the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("tuning-cache")))
+        yield
+
+
 @pytest.fixture
 def problem():
     """make_problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device=, layout=, scale=)."""

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import triton_impl
+from flashattn_triton import _inputs, triton_impl
 from flashattn_triton.torch_impl import torch_backward, torch_forward
 
 UNBOUNDED = -1
@@ -71,7 +71,7 @@ def uses_triton(device: torch.device) -> bool:
         warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
                       RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
-    return device.type == "cpu" and triton_impl.interpret_requested() and _triton_available()
+    return device.type == "cpu" and _inputs.interpret_requested() and _triton_available()
 
 
 def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
@@ -80,7 +80,6 @@ def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float,
                deterministic: bool = False) -> bool:  # fmt: skip
     """The implementations' is_causal for the arguments they support; NotImplementedError, naming the
     argument, for the others (issue 20 fills these in)."""
-    triton = uses_triton(q.device)
     unsupported = [
         ("attn_mask", attn_mask is not None),
         ("dropout_p", dropout_p != 0.0 or rng_state is not None),
@@ -88,8 +87,6 @@ def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float,
         ("window_size", window_left != UNBOUNDED or window_right not in (UNBOUNDED, 0)),
         ("causal_lower_right (diagonal_offset != 0)", window_right == 0 and diagonal_offset != 0),
         ("cu_seqlens_q/cu_seqlens_k (packed sequences)", not (cu_seqlens_q is cu_seqlens_k is None)),
-        ("a gradient through lse (grad_lse) in the Triton kernels", grad_lse is not None and triton),
-        ("a deterministic backward in the Triton kernels", deterministic and triton),
     ]
     for name, present in unsupported:
         if present:
@@ -121,7 +118,8 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
     is_causal = _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right,
                            diagonal_offset, cu_seqlens_q, cu_seqlens_k, grad_lse, deterministic)  # fmt: skip
     if uses_triton(q.device):
-        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, scale)
+        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse,
+                                           deterministic=deterministic)  # fmt: skip
     return torch_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse)
 
 
