@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import flashattn_triton
 from flashattn_triton import reference_attention, reference_logsumexp
 
 # Floors of the (relative Frobenius error, max error relative to max |reference|) allowed per dtype for
@@ -222,3 +223,35 @@ def blocks():
     """Block (a Transformer block taking an attention function), step(block, x) -> (out, gradients) and
     CountingBackend, for the compile tests."""
     return types.SimpleNamespace(Block=Block, step=_block_step, CountingBackend=CountingBackend)
+
+
+def _check_infinities(device: str, where: str, is_causal: bool) -> None:
+    """±inf in K or V at full float32 accuracy (TF32 parts): the rows that see that key are not finite, as
+    SDPA's; every other row is right (the split once made inf - inf = NaN, which reached the whole head)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 130, 32, generator=generator, device=device) for _ in range(3))
+    q.view(torch.int32).bitwise_or_(1)  # no q exact in TF32: its low part times inf is ±inf, never 0 * inf
+    # Head 0 stays finite. In V, at key 0, which every row sees: a causal row that does not see an infinite
+    # value of V can still meet it as 0 * inf in its diagonal tile's P V, as in FlashAttention's kernels.
+    if where == "k":
+        k[0, 1, 90, 3] = float("inf")
+    else:
+        v[0, 1, 0, 3] = float("inf")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out = flashattn_triton.flash_attention(q, k, v, is_causal=is_causal)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                            is_causal=is_causal)  # fmt: skip
+    spoiled = ~torch.isfinite(want).all(-1)
+    assert spoiled.any() and not spoiled.all()
+    assert torch.equal(~torch.isfinite(out).all(-1), spoiled)
+    torch.testing.assert_close(out[~spoiled].double(), want[~spoiled], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def check_infinities():
+    """_check_infinities(device, where ("k" or "v"), is_causal)."""
+    return _check_infinities

@@ -297,3 +297,9 @@ def test_tf32_parts_are_exact_and_their_high_parts_are_tf32(transposed, assert_t
     assert parts.shape == (4, 17, 3, 24)
     assert_tf32_parts(parts, x4)
     assert (parts[x4.shape[0] :].abs() <= x4.abs() * 2.0**-10).all()
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, where, is_causal):
+    check_infinities("cpu", where, is_causal)

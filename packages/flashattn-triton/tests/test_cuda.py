@@ -495,6 +495,12 @@ def test_mixed_devices_are_refused():
         FlashAttentionTriton.apply(q, q.cpu(), q)
 
 
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, where, is_causal):
+    check_infinities("cuda", where, is_causal)
+
+
 # --- the custom ops under torch.compile, CUDA graphs and opcheck ---------------------------------------
 
 OPTIONS = (None, 0.0, None, 0.125, -1, 0, 0, None, None, 0, 0)  # attn_fwd's arguments after v: causal
