@@ -255,3 +255,33 @@ def _check_infinities(device: str, where: str, is_causal: bool) -> None:
 def check_infinities():
     """_check_infinities(device, where ("k" or "v"), is_causal)."""
     return _check_infinities
+
+
+def _check_gradients_through_lse(device: str, seqlen: int = 11, dtype: torch.dtype = torch.float32) -> None:
+    """flash_attention's (out, lse) both in the loss: gradients as float64 autograd through SDPA and
+    reference_logsumexp give them (the backward adds lse's gradient to dS)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, 3, seqlen, 16, dtype=torch.float64, device=device, generator=generator)
+               for _ in range(3))  # fmt: skip
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    q, k, v = (t.detach().double() for t in leaves)  # the reference from the rounded inputs
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out, lse = flashattn_triton.flash_attention(*leaves, is_causal=True, return_lse=True)
+        got = torch.autograd.grad((out * 0.5).sum() + lse.square().sum(), leaves)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out = torch.nn.functional.scaled_dot_product_attention(*references, is_causal=True)
+    want_lse = reference_logsumexp(*references[:2], is_causal=True)
+    want = torch.autograd.grad((want_out * 0.5).sum() + want_lse.square().sum(), references)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def check_gradients_through_lse():
+    """_check_gradients_through_lse(device, seqlen=11, dtype=torch.float32)."""
+    return _check_gradients_through_lse

@@ -303,3 +303,7 @@ def test_tf32_parts_are_exact_and_their_high_parts_are_tf32(transposed, assert_t
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, where, is_causal):
     check_infinities("cpu", where, is_causal)
+
+
+def test_gradients_through_lse_and_out(check_gradients_through_lse):
+    check_gradients_through_lse("cpu", seqlen=40)

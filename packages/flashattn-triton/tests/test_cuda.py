@@ -501,6 +501,14 @@ def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, 
     check_infinities("cuda", where, is_causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["small", "large"])
+def test_gradients_through_lse_and_out(check_gradients_through_lse, monkeypatch, path, dtype):
+    if path == "large":
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    check_gradients_through_lse("cuda", 300, dtype)
+
+
 # --- the custom ops under torch.compile, CUDA graphs and opcheck ---------------------------------------
 
 OPTIONS = (None, 0.0, None, 0.125, -1, 0, 0, None, None, 0, 0)  # attn_fwd's arguments after v: causal
