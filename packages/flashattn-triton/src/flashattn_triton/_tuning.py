@@ -32,6 +32,7 @@ FORMAT = 1  # the cache files' layout; a change makes a new subdirectory rather 
 # Candidates within this fraction of the fastest count as tied, and the first of them (the default order)
 # wins: do_bench's medians of near-equal kernels differ by about this much from process to process.
 TIE = 0.01
+ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and do_bench's measuring time for each, ms
 
 
 def autotune_enabled() -> bool:
@@ -107,18 +108,27 @@ class TuningCache:
 
     @staticmethod
     def _time(run: Callable[[Any], None], candidates: list) -> dict[Any, float]:
+        """Each candidate's best median over ROUNDS rounds of all candidates: timed one after another once,
+        the first candidates met a GPU still raising its clocks, and the order decided the choice."""
         from triton.testing import do_bench
 
-        times = {}
-        for candidate in candidates:
-            try:
-                times[candidate] = do_bench(lambda c=candidate: run(c), warmup=2, rep=10,
-                                            return_mode="median")  # fmt: skip
-            except Exception as exc:  # too big for this GPU, or a build this Triton refuses: not a candidate
-                if not isinstance(exc, out_of_resources()):  # anything else is a bug to show, not to stop on
-                    warnings.warn(f"flashattn_triton: config {describe(candidate)} failed while tuning, "
-                                  f"skipped: {type(exc).__name__}: {str(exc)[:300]}", RuntimeWarning,
-                                  stacklevel=4)  # fmt: skip
+        times: dict[Any, float] = {}
+        failed = set()
+        for _ in range(ROUNDS):
+            for candidate in candidates:
+                if candidate in failed:
+                    continue
+                try:
+                    ms = do_bench(lambda c=candidate: run(c), warmup=1, rep=ROUND_MS, return_mode="median")
+                except Exception as exc:  # too big for this GPU, or a build this Triton refuses: skipped
+                    failed.add(candidate)
+                    times.pop(candidate, None)
+                    if not isinstance(exc, out_of_resources()):  # anything else is a bug to show
+                        warnings.warn(f"flashattn_triton: config {describe(candidate)} failed while tuning, "
+                                      f"skipped: {type(exc).__name__}: {str(exc)[:300]}", RuntimeWarning,
+                                      stacklevel=4)  # fmt: skip
+                    continue
+                times[candidate] = min(ms, times.get(candidate, ms))
         return times
 
     @staticmethod
