@@ -51,7 +51,7 @@ def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: tor
     padded = padded_head_dim(head_dim, size)
     q = torch.empty(1, batch_heads, seq, head_dim, device="cuda", dtype=dtype)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    problem = Problem(which, batch_heads, seq, seq, padded, size, CAUSAL, input_precision(dtype), sm_count,
+    problem = Problem(which, batch_heads, seq, seq, padded, dtype, CAUSAL, input_precision(dtype), sm_count,
                       hopper=_hopper.supports(which, q, (q,) * (3 if which == "fwd" else 5), padded))
     listed = _planning.candidates(problem)
     return listed + [c for c in extra[which] if c not in listed]

@@ -3,6 +3,7 @@ processes, tuning off, and never inside a CUDA graph capture or a compile trace.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ pytest.importorskip("triton")
 
 CPU = torch.device("cpu")
 CANDIDATES = [ForwardConfig(64, 64, 4, 3), ForwardConfig(64, 128, 4, 3), ForwardConfig(128, 64, 8, 2)]
-PROBLEM = Problem("fwd", 8, 2048, 2048, 64, 2, True, "tf32", 132)
+PROBLEM = Problem("fwd", 8, 2048, 2048, 64, torch.bfloat16, True, "tf32", 132)
 
 
 class Timings:
@@ -69,7 +70,7 @@ def test_the_fastest_is_chosen_and_a_fresh_process_reuses_it_without_timing(cach
 def test_near_ties_go_to_the_earlier_candidate(cache_dir, monkeypatch):
     """Timings within TIE of the fastest are noise: the default order decides, the same in every process."""
     assert choose(_tuning.TuningCache(), Timings(1.005, 1.0, 2.0), monkeypatch) == CANDIDATES[0]
-    other = Problem("fwd", 8, 8192, 8192, 64, 2, True, "tf32", 132)
+    other = Problem("fwd", 8, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132)
     assert choose(_tuning.TuningCache(), Timings(1.05, 1.0, 2.0), monkeypatch, other) == CANDIDATES[1]
 
 
@@ -77,7 +78,7 @@ def test_one_choice_serves_a_size_class(cache_dir, monkeypatch):
     cache = _tuning.TuningCache()
     timings = Timings(3.0, 1.0, 2.0)
     choose(cache, timings, monkeypatch)
-    same_class = Problem("fwd", 7, 1500, 1500, 64, 2, True, "tf32", 132)
+    same_class = Problem("fwd", 7, 1500, 1500, 64, torch.bfloat16, True, "tf32", 132)
     assert choose(cache, timings, monkeypatch, same_class) == CANDIDATES[1] and timings.tunings == 1
     assert candidates(same_class) == candidates(PROBLEM)
 
@@ -128,17 +129,17 @@ def test_a_torn_file_is_tuned_again_and_rewritten(cache_dir, monkeypatch):
 
 
 def test_deterministic_backward_candidates_have_no_atomics():
-    problem = Problem("bwd", 64, 8192, 8192, 64, 2, True, "tf32", 132, hopper=True)
+    problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
     assert any(c.atomic_dq for c in candidates(problem)) and any(c.hopper for c in candidates(problem))
-    exact = Problem("bwd", 64, 8192, 8192, 64, 2, True, "tf32", 132, hopper=True, deterministic=True)
+    exact = dataclasses.replace(problem, deterministic=True)
     assert candidates(exact) and not any(c.atomic_dq or c.hopper for c in candidates(exact))
     assert exact.size_key != problem.size_key
 
 
 def test_small_problems_are_offered_split_key_tiles_by_size_class():
-    one_head = Problem("fwd", 1, 4000, 4000, 64, 2, True, "tf32", 132)
+    one_head = Problem("fwd", 1, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
     assert one_head.small and any(c.kv_splits > 1 for c in candidates(one_head))
-    many_heads = Problem("fwd", 64, 4000, 4000, 64, 2, True, "tf32", 132)
+    many_heads = Problem("fwd", 64, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
     assert not any(c.kv_splits > 1 for c in candidates(many_heads))
     assert _planning.size_class(4000) == 4096 and _planning.size_class(4096) == 4096
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from flashattn_triton._configs import (
     HOPPER_BACKWARD,
     HOPPER_FORWARD,
@@ -61,7 +63,7 @@ class Problem:
     seqlen_q: int
     seqlen_k: int
     head_dim: int
-    element_size: int
+    dtype: torch.dtype
     is_causal: bool
     precision: str
     sm_count: int
@@ -78,10 +80,14 @@ class Problem:
         return block_d(self.head_dim)
 
     @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
     def size_key(self) -> tuple:
         """What a tuned choice is kept by: everything candidates() reads, lengths and heads by size class."""
-        return (self.pass_name, self.block_d, self.element_size, self.is_causal, self.precision,
-                size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
+        return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
+                self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
                 self.uses_hopper, self.deterministic)  # fmt: skip
 
     @property

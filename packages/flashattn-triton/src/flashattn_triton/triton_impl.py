@@ -100,7 +100,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             _plans.clear()
         head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
         problem = Problem(pass_name, q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2], head_dim,
-                          q.element_size(), is_causal, precision, _sm_count(q.device) if q.is_cuda else 0,
+                          q.dtype, is_causal, precision, _sm_count(q.device) if q.is_cuda else 0,
                           _launcher.interpreted(), _hopper.supports(pass_name, q, tensors, head_dim),
                           deterministic)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
