@@ -218,7 +218,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     seqlen_k = k4.shape[2]
     q_in, k_in = _kernel_inputs(plan, q4, k4)
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
-    v_block = (block_d, "n") if plan.precision == "tf32x3" else ("n", block_d)
+    v_transposed = plan.precision == "tf32x3"
 
     def launcher(c: ForwardConfig) -> Launcher | LaunchPair:
         query_tiles = -(-seqlen_q // c.block_m) * batch * heads
@@ -239,7 +239,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             partials = _launcher.stream_buffer("partials", c.kv_splits * batch * heads * rows * (block_d + 1),
                                                torch.float32, q.device, _launcher.current_stream(q.device))
         main = dict(Q=tiles(q_in, c.block_m, block_d, host), K=tiles(k_in, c.block_n, block_d, host),
-                    V=tiles(v_in, *(c.block_n if n == "n" else n for n in v_block), host),
+                    V=tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
                     Out=None if split else tiles(o4, c.block_m, block_d, host), L=lse, Partials=partials,
                     batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
                     qk_scale=scale * kernels.LOG2E, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d,
