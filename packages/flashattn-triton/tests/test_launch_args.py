@@ -3,6 +3,8 @@ per stream."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -107,3 +109,21 @@ def test_launch_hooks_are_seen_however_they_are_set(monkeypatch):
     assert _launcher.launch_hooked()
     monkeypatch.setattr(runtime, "launch_enter_hook", None)
     assert not _launcher.launch_hooked()
+
+
+@pytest.mark.parametrize(("version", "direct"), [("3.6.0", True), ("3.7.1", False), ("3.5.0", False)])
+def test_direct_launches_only_on_the_tested_triton_else_one_warning(monkeypatch, version, direct):
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", version)
+    _launcher._direct_launch_supported.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _launcher._direct_launch_supported() == direct
+            assert _launcher._direct_launch_supported() == direct  # asked again: no second warning
+        assert len(caught) == (0 if direct else 1)
+        if not direct:
+            assert f"Triton {version}" in str(caught[0].message) and "JIT" in str(caught[0].message)
+    finally:
+        _launcher._direct_launch_supported.cache_clear()
