@@ -119,7 +119,7 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
                            diagonal_offset, cu_seqlens_q, cu_seqlens_k, grad_lse, deterministic)  # fmt: skip
     if uses_triton(q.device):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse,
-                                           deterministic=deterministic)  # fmt: skip
+                                           deterministic=deterministic, share_allocation=False)  # fmt: skip
     return torch_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse)
 
 

@@ -61,18 +61,6 @@ class _Plan:
     # whether the backward is deterministic.
     backward_plans: dict = dataclasses.field(default_factory=dict)
 
-    @property
-    def head_dim(self) -> int:
-        return self.problem.head_dim
-
-    @property
-    def block_d(self) -> int:
-        return self.problem.block_d
-
-    @property
-    def precision(self) -> str:
-        return self.problem.precision
-
 
 _plans: dict[tuple, _Plan] = {}
 _MAX_PLANS = 4096  # a process seeing ever new lengths starts over rather than growing without bound
@@ -139,14 +127,14 @@ def _kernel_views(plan: _Plan, tensors: tuple[torch.Tensor, ...]) -> tuple[torch
     """The tensors as _inputs.kernel_view makes them: as they are where the plan says they already are."""
     if plan.as_is:
         return tensors
-    return tuple(_inputs.kernel_view(t, plan.head_dim, plan.host) for t in tensors)
+    return tuple(_inputs.kernel_view(t, plan.problem.head_dim, plan.host) for t in tensors)
 
 
 def _kernel_inputs(plan: _Plan, *tensors: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """The inputs as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
     pass: saving the forward's for the backward would hold twice the inputs in between). Their TF32Splits
     are the plan's, one for each place of a pass's inputs: the plan's key fixes their layouts."""
-    if plan.precision != "tf32x3":
+    if plan.problem.precision != "tf32x3":
         return tensors
     parts = []
     with _launcher.device_guard(tensors[0]):
@@ -211,14 +199,15 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format), lse, plan
-    host, head_dim, block_d = plan.host, plan.head_dim, plan.block_d
+    host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
+    precision = plan.problem.precision
     q4, k4, v4 = _kernel_views(plan, (q, k, v))
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     q_in, k_in = _kernel_inputs(plan, q4, k4)
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
-    v_transposed = plan.precision == "tf32x3"
+    v_transposed = precision == "tf32x3"
 
     def launcher(c: ForwardConfig) -> Launcher | LaunchPair:
         query_tiles = -(-seqlen_q // c.block_m) * batch * heads
@@ -238,17 +227,23 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             rows = -(-seqlen_q // c.block_m) * c.block_m
             partials = _launcher.stream_buffer("partials", c.kv_splits * batch * heads * rows * (block_d + 1),
                                                torch.float32, q.device, _launcher.current_stream(q.device))
-        main = dict(Q=tiles(q_in, c.block_m, block_d, host), K=tiles(k_in, c.block_n, block_d, host),
-                    V=tiles(v_in, *((block_d, c.block_n) if v_transposed else (c.block_n, block_d)), host),
-                    Out=None if split else tiles(o4, c.block_m, block_d, host), L=lse, Partials=partials,
-                    batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
-                    qk_scale=scale * kernels.LOG2E, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d,
-                    CAUSAL=is_causal, INPUT_PRECISION=plan.precision, SPLIT_KV=split)  # fmt: skip
+        v_tile = (block_d, c.block_n) if v_transposed else (c.block_n, block_d)
+        # (dict literals: a call's host time notices dict(...) building its keyword arguments first)
+        main = {
+            "Q": tiles(q_in, c.block_m, block_d, host), "K": tiles(k_in, c.block_n, block_d, host),
+            "V": tiles(v_in, *v_tile, host), "Out": None if split else tiles(o4, c.block_m, block_d, host),
+            "L": lse, "Partials": partials, "batch": batch, "heads": heads, "seqlen_q": seqlen_q,
+            "seqlen_k": seqlen_k, "head_dim": head_dim, "qk_scale": scale * kernels.LOG2E,
+            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d, "CAUSAL": is_causal,
+            "INPUT_PRECISION": precision, "SPLIT_KV": split,
+        }  # fmt: skip
         if not split:
             return main
-        return main, dict(Partials=partials, Out=o4, L=lse, batch_heads=batch * heads, seqlen_q=seqlen_q,
-                          partial_rows=rows, head_dim=head_dim, SPLITS=c.kv_splits, BLOCK_M=COMBINE_ROWS,
-                          BLOCK_D=block_d)  # fmt: skip
+        return main, {
+            "Partials": partials, "Out": o4, "L": lse, "batch_heads": batch * heads, "seqlen_q": seqlen_q,
+            "partial_rows": rows, "head_dim": head_dim, "SPLITS": c.kv_splits, "BLOCK_M": COMBINE_ROWS,
+            "BLOCK_D": block_d,
+        }  # fmt: skip
 
     with _launcher.device_guard(q):
         _run(plan, launcher, args, q.device)
@@ -262,21 +257,26 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     grad_out: torch.Tensor, is_causal: bool, scale: float,
                     config: BackwardConfig | None = None, *, grad_lse: torch.Tensor | None = None,
-                    deterministic: bool = False,
-                    forward_plan: _Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    deterministic: bool = False, forward_plan: _Plan | None = None,
+                    share_allocation: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
     problem is small), then dK/dV and dQ in one launch (two for a split config). grad_lse, the gradient of
     L where it is used too, is subtracted from D (dS = P (dP - D + dL)); deterministic leaves out the
     atomic dQ. forward_plan: the plan of the forward that made out and lse from these q, k, v, which keeps
-    this backward's plan for the layout of grad_out."""
+    this backward's plan for the layout of grad_out. share_allocation: dQ, dK, dV may be slices of one
+    allocation (not for a custom op, whose outputs must not alias one another)."""
     kernels = _launcher.kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config, deterministic,
                           grad_lse is not None)  # fmt: skip
-    host, head_dim, block_d, delta_from_o = plan.host, plan.head_dim, plan.block_d, plan.delta_from_o
+    host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
+    precision, delta_from_o = plan.problem.precision, plan.delta_from_o
     q4, k4, v4, o4, do4 = _kernel_views(plan, (q, k, v, out, grad_out))
-    dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
+    if share_allocation and q4.shape == k4.shape:  # an allocation is host time a small problem notices
+        dq4, dk4, dv4 = torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
+    else:
+        dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     delta = None if delta_from_o else torch.empty_like(lse)
@@ -310,23 +310,23 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
     def phase_args(c: BackwardConfig, phase: str) -> dict[str, Any]:
         steps, own = c.block_m, c.block_n
-        return dict(
-            Q_S=tiles(q_in, steps, block_d, host), DO_S=tiles(do_in, steps, block_d, host),
-            K_S=tiles(k_in, steps, block_d, host), V_S=tiles(v_in, steps, block_d, host),
-            Q_T=tiles(q_in, own, block_d, host), DO_T=tiles(do_in, own, block_d, host),
-            K_T=tiles(k_in, own, block_d, host), V_T=tiles(v_in, own, block_d, host),
-            DQ=tiles(dq4, own, block_d, host), DK=tiles(dk4, own, block_d, host),
-            DV=tiles(dv4, own, block_d, host), L=lse, Delta=delta,
-            O_S=tiles(o4, steps, block_d, host) if delta_from_o else None,
-            O_T=tiles(o4, own, block_d, host) if delta_from_o else None,
+        return {
+            "Q_S": tiles(q_in, steps, block_d, host), "DO_S": tiles(do_in, steps, block_d, host),
+            "K_S": tiles(k_in, steps, block_d, host), "V_S": tiles(v_in, steps, block_d, host),
+            "Q_T": tiles(q_in, own, block_d, host), "DO_T": tiles(do_in, own, block_d, host),
+            "K_T": tiles(k_in, own, block_d, host), "V_T": tiles(v_in, own, block_d, host),
+            "DQ": tiles(dq4, own, block_d, host), "DK": tiles(dk4, own, block_d, host),
+            "DV": tiles(dv4, own, block_d, host), "L": lse, "Delta": delta,
+            "O_S": tiles(o4, steps, block_d, host) if delta_from_o else None,
+            "O_T": tiles(o4, own, block_d, host) if delta_from_o else None,
             # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
-            DQ_ACC=tiles(dq_acc, steps, block_d, host and q.is_cuda) if c.atomic_dq else None,
-            batch=batch, heads=heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim,
-            dq_acc_rows=dq_acc_rows, qk_scale=scale * kernels.LOG2E, scale=scale, BLOCK_M=c.block_m,
-            BLOCK_N=c.block_n, BLOCK_D=block_d, CAUSAL=is_causal, ATOMIC_DQ=c.atomic_dq,
-            DELTA_FROM_O=delta_from_o, INPUT_PRECISION=plan.precision, TRANSPOSED_GRADS=c.transposed_grads,
-            PHASE=phase,
-        )  # fmt: skip
+            "DQ_ACC": tiles(dq_acc, steps, block_d, host and q.is_cuda) if c.atomic_dq else None,
+            "batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+            "head_dim": head_dim, "dq_acc_rows": dq_acc_rows, "qk_scale": scale * kernels.LOG2E,
+            "scale": scale, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
+            "CAUSAL": is_causal, "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o,
+            "INPUT_PRECISION": precision, "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase,
+        }  # fmt: skip
 
     def preprocess() -> None:  # D (less the gradient of L), and the atomic variant's dQ sum zeroed
         rows = 64
@@ -337,10 +337,12 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             launch = plan.preprocess[clears] = Launcher(kernels.attn_bwd_preprocess, grid)
         stride_oz, stride_oh, stride_om = o4.stride()[:3]
         stride_dz, stride_dh, stride_dm = do4.stride()[:3]
-        launch(dict(Out=o4, DO=do4, Delta=delta, DQ_ACC=dq_acc, stride_oz=stride_oz, stride_oh=stride_oh,
-                    stride_om=stride_om, stride_dz=stride_dz, stride_dh=stride_dh, stride_dm=stride_dm,
-                    heads=heads, seqlen_q=seqlen_q, head_dim=head_dim, dq_acc_rows=dq_acc_rows,
-                    BLOCK_D=block_d, BLOCK_M=rows))  # fmt: skip
+        launch({
+            "Out": o4, "DO": do4, "Delta": delta, "DQ_ACC": dq_acc, "stride_oz": stride_oz,
+            "stride_oh": stride_oh, "stride_om": stride_om, "stride_dz": stride_dz, "stride_dh": stride_dh,
+            "stride_dm": stride_dm, "heads": heads, "seqlen_q": seqlen_q, "head_dim": head_dim,
+            "dq_acc_rows": dq_acc_rows, "BLOCK_D": block_d, "BLOCK_M": rows,
+        })  # fmt: skip
         if grad_lse is not None:
             delta.sub_(grad_lse)
 
