@@ -135,3 +135,18 @@ def test_export_with_a_dynamic_sequence_length(blocks):
     for length in (5, 33):
         x = torch.randn(2, length, 32)
         torch.testing.assert_close(exported.module()(x), block(x), atol=1e-5, rtol=1e-5)
+
+
+def test_autocast_inside_a_compiled_function_casts_without_a_graph_break():
+    def loss(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = flash_attention(q, k, v, is_causal=True)
+        assert out.dtype == torch.bfloat16
+        return out.float().square().sum()
+
+    q, k, v = (torch.randn(1, 2, 16, 16, requires_grad=True) for _ in range(3))
+    assert torch._dynamo.explain(loss)(q, k, v).graph_break_count == 0
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
