@@ -76,8 +76,7 @@ def uses_triton(device: torch.device) -> bool:
 
 def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
                window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
-               cu_seqlens_k: Tensor | None, grad_lse: Tensor | None = None,
-               deterministic: bool = False) -> bool:  # fmt: skip
+               cu_seqlens_k: Tensor | None) -> bool:  # fmt: skip
     """The implementations' is_causal for the arguments they support; NotImplementedError, naming the
     argument, for the others (issue 20 fills these in)."""
     unsupported = [
@@ -116,7 +115,7 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of attention, as the module docstring says."""
     is_causal = _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right,
-                           diagonal_offset, cu_seqlens_q, cu_seqlens_k, grad_lse, deterministic)  # fmt: skip
+                           diagonal_offset, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
     if uses_triton(q.device):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse,
                                            deterministic=deterministic, share_allocation=False)  # fmt: skip
@@ -140,17 +139,17 @@ def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tens
                    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
                    max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right, diagonal_offset,
-               cu_seqlens_q, cu_seqlens_k, grad_lse, deterministic)  # fmt: skip
+               cu_seqlens_q, cu_seqlens_k)  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
     q, k, v, *options = inputs
     out, lse = output
-    # Tensors are saved (for autograd's checks on them), the other options kept as they are.
+    # Tensor options (a mask, the dropout state, cu_seqlens) are saved as tensors are, the others kept.
     ctx.tensor_options = [i for i, o in enumerate(options) if isinstance(o, Tensor)]
     ctx.save_for_backward(q, k, v, out, lse, *(options[i] for i in ctx.tensor_options))
-    ctx.options = options
+    ctx.options = [None if isinstance(o, Tensor) else o for o in options]
     # Unused outputs get no gradient (None) rather than zeros: lse's gradient is None unless used.
     ctx.set_materialize_grads(False)
 
