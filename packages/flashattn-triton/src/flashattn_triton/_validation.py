@@ -73,7 +73,7 @@ class OpArguments(NamedTuple):
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
     """(..., H, T, d) as (B, H, T, d); 3-D (H, T, d) as (1, H, T, d)."""
-    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(-1, *x.shape[-3:])
+    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
 
 
 def op_arguments(
