@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,3 +53,50 @@ def check_inputs(
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale}")
     return float(scale)
+
+
+class OpArguments(NamedTuple):
+    """flash_attention's arguments as the custom ops take them (ops.py states the contract): 4-D views
+    (B, H, T, d) of the inputs and the band of keys each query sees."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: torch.Tensor | None
+    dropout_p: float
+    rng_state: torch.Tensor | None
+    scale: float
+    window_left: int
+    window_right: int
+    diagonal_offset: int
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    """(..., H, T, d) as (B, H, T, d); 3-D (H, T, d) as (1, H, T, d)."""
+    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
+
+
+def op_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    window_size: tuple[int, int] | None,
+) -> OpArguments:
+    """flash_attention's arguments checked (each error names the argument) and normalized for the ops."""
+    scale = check_inputs(query, key, value, is_causal, scale)
+    if attn_mask is not None:
+        raise NotImplementedError("flashattn_triton: attn_mask is not implemented yet")
+    if dropout_p != 0.0:
+        raise NotImplementedError("flashattn_triton: dropout_p is not implemented yet")
+    if enable_gqa:
+        raise NotImplementedError("flashattn_triton: enable_gqa is not implemented yet")
+    if window_size is not None:
+        raise NotImplementedError("flashattn_triton: window_size is not implemented yet")
+    unbounded = -1
+    return OpArguments(_as_4d(query), _as_4d(key), _as_4d(value), None, 0.0, None, scale, unbounded,
+                       0 if is_causal else unbounded, 0)  # fmt: skip

@@ -160,11 +160,15 @@ def torch_backward(
     is_causal: bool,
     scale: float,
     tile_k: int = TILE_K,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) by recomputing P tile by tile from L, with D = rowsum(dO * O)."""
+    """(dQ, dK, dV) by recomputing P tile by tile from L, with D = rowsum(dO * O). grad_lse, the gradient
+    of L where L is used too, adds to dS = P (dP - D) as P dL: it is subtracted from D."""
     seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
     q32, grad_out32 = q.to(torch.float32), grad_out.to(torch.float32)
     delta = (grad_out32 * out.to(torch.float32)).sum(-1)
+    if grad_lse is not None:
+        delta = delta - grad_lse
     grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     grad_k = torch.zeros_like(k, memory_format=torch.contiguous_format)
     grad_v = torch.zeros_like(v, memory_format=torch.contiguous_format)

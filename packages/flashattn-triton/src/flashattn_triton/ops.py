@@ -1,0 +1,169 @@
+"""The attention operators: ``torch.ops.flashattn_triton.attn_fwd`` and ``attn_bwd``.
+
+They make flash_attention a first-class torch operator: fake (meta) implementations with symbolic shapes
+let ``torch.compile(fullgraph=True)``, dynamic shapes, ``torch.export`` and meta tensors see through them,
+and ``register_autograd`` ties the two together. On CUDA (and on CPU under ``TRITON_INTERPRET=1``) they
+run the Triton kernels, elsewhere the PyTorch path (torch_impl).
+
+They are opaque custom ops rather than ``torch.library.triton_op``s: the kernels are launched through a
+plan chosen and tuned at run time (``_run``), the Hopper kernels are Gluon, and the launcher calls
+Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)`` call
+that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
+
+The contract (issue 20's features are argued here, so that their implementations change no schema)
+-----------------------------------------------------------------------------------------------------
+``attn_fwd(q, k, v, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
+cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
+
+- ``q (B, Hq, Tq, d)``, ``k, v (B, Hkv, Tk, d)``, one dtype (float16, bfloat16, float32) and device,
+  any strides. ``Hq != Hkv`` is grouped-query attention: ``Hq % Hkv == 0`` and query head ``h`` reads K/V
+  head ``h // (Hq // Hkv)``.
+- Packed sequences (varlen): with ``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, ``(batch + 1,)``,
+  cumulative lengths from 0) q is ``(total_q, Hq, d)`` and k, v ``(total_k, Hkv, d)``; sequence ``b`` is
+  rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``max_seqlen_q/k`` bound the lengths (0 when not packed).
+- ``attn_mask``: None, a bool tensor (True = may attend) or a float tensor added to the scaled scores,
+  broadcastable to ``(B, Hq, Tq, Tk)``. It gets no gradient.
+- ``dropout_p`` in [0, 1): attention probabilities dropped as SDPA does. ``rng_state``: int64 ``(2,)`` on
+  q's device, (Philox seed, offset), drawn by flash_attention from the device's default generator; None
+  when ``dropout_p == 0``. The backward regenerates the same mask from it.
+- ``scale``: the softmax scale (flash_attention resolves None to 1/sqrt(d)).
+- Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
+  window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
+  the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
+  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
+- ``out`` is contiguous, shaped and typed like q; ``lse`` float32, contiguous, of shape ``q.shape[:-1]``:
+  the log-sum-exp of each row's (masked) scaled scores.
+
+``attn_bwd(grad_out, grad_lse, q, k, v, out, lse, <attn_fwd's arguments after v>, deterministic)
+-> (dq, dk, dv)``: contiguous, shaped like q, k, v. ``grad_lse`` (optional) is the gradient of lse,
+for callers who use it. ``deterministic``: bitwise repeatable gradients (no atomics), set from
+``torch.are_deterministic_algorithms_enabled()``.
+
+An argument that an implementation does not support yet raises NotImplementedError naming it, from the
+fake implementation too, so that ``torch.compile`` reports it while tracing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashattn_triton import _inputs, triton_impl
+from flashattn_triton.torch_impl import torch_backward, torch_forward
+
+UNBOUNDED = -1
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the ops run the Triton kernels for tensors on `device`: on CUDA where Triton is installed,
+    on CPU under TRITON_INTERPRET=1."""
+    if device.type == "cuda":
+        if _triton_available():
+            return True
+        warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return device.type == "cpu" and _inputs.interpret_requested() and _triton_available()
+
+
+def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
+               window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
+               cu_seqlens_k: Tensor | None) -> bool:  # fmt: skip
+    """The implementations' is_causal for the arguments they support; NotImplementedError, naming the
+    argument, for the others (issue 20 fills these in)."""
+    unsupported = [
+        ("attn_mask", attn_mask is not None),
+        ("dropout_p", dropout_p != 0.0 or rng_state is not None),
+        ("enable_gqa (Hq != Hkv)", q.dim() == 4 and q.shape[1] != k.shape[1]),
+        ("window_size", window_left != UNBOUNDED or window_right not in (UNBOUNDED, 0)),
+        ("causal_lower_right (diagonal_offset != 0)", window_right == 0 and diagonal_offset != 0),
+        ("cu_seqlens_q/cu_seqlens_k (packed sequences)", not (cu_seqlens_q is cu_seqlens_k is None)),
+    ]
+    for name, present in unsupported:
+        if present:
+            raise NotImplementedError(f"flashattn_triton: {name} is not implemented yet")
+    return window_right == 0
+
+
+@torch.library.custom_op("flashattn_triton::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+             rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
+             diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+             max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, lse) of attention, as the module docstring says: the Triton kernels where uses_triton, else
+    the PyTorch path."""
+    is_causal = _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right,
+                           diagonal_offset, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    if uses_triton(q.device):
+        return triton_impl.triton_forward(q, k, v, is_causal, scale)
+    return torch_forward(q, k, v, is_causal, scale)
+
+
+@torch.library.custom_op("flashattn_triton::attn_bwd", mutates_args=())
+def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+             lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None, scale: float,
+             window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
+             cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv) of attention, as the module docstring says."""
+    is_causal = _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right,
+                           diagonal_offset, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    if uses_triton(q.device):
+        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse,
+                                           deterministic=deterministic, share_allocation=False)  # fmt: skip
+    return torch_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse)
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                   rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
+                   diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                   max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right, diagonal_offset,
+               cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
+                   scale: float, window_left: int, window_right: int, diagonal_offset: int,
+                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
+                   max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right, diagonal_offset,
+               cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, *options = inputs
+    out, lse = output
+    # Tensor options (a mask, the dropout state, cu_seqlens) are saved as tensors are, the others kept.
+    ctx.tensor_options = [i for i, o in enumerate(options) if isinstance(o, Tensor)]
+    ctx.save_for_backward(q, k, v, out, lse, *(options[i] for i in ctx.tensor_options))
+    ctx.options = [None if isinstance(o, Tensor) else o for o in options]
+    # Unused outputs get no gradient (None) rather than zeros: lse's gradient is None unless used.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    options = list(ctx.options)
+    for i, tensor in zip(ctx.tensor_options, tensors, strict=True):
+        options[i] = tensor
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = attn_bwd(grad_out, grad_lse, q, k, v, out, lse, *options,
+                     torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    return (*grads, *[None] * len(options))
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
