@@ -7,8 +7,8 @@ argument (most of a small problem's host time, decisions.md#direct-launch). That
 into Triton's C launch function (``CudaLauncher``), encodes host-built descriptors with
 ``make_tensordesc_arg``, unwraps Triton's descriptor wrapper with ``inspect.getclosurevars`` and reads
 the raw CUDA stream from ``torch._C``: private interfaces, used only with the Triton version whose
-launcher the tests check (``DIRECT_LAUNCH_TRITON``). With any other version every launch goes through the JIT (a one-time
-warning says so), and so does any launch while a launch hook (a profiler's) is set.
+launcher the tests check (``DIRECT_LAUNCH_TRITON``). With any other version every launch goes through
+the JIT (a one-time warning says so), and so does any launch while a launch hook (a profiler's) is set.
 """
 
 from __future__ import annotations
