@@ -3,7 +3,7 @@
     ./nox -l                      list the sessions
     ./nox -s tests                every package's tests plus the cross-package tests (CI)
     ./nox -s test-minddp          one package's tests, in a venv holding torch and that package alone
-    ./nox -s test-oldest-torch    the libraries' tests on their oldest declared torch (not in CI)
+    ./nox -s test-oldest-torch    each library's tests on its oldest declared torch (not in CI)
     ./nox -s tour                 a short run of every experiment this machine supports
     ./nox -s build [-- minddp]    wheels and sdists into dist/, each installed in a clean venv and
                                   its README's first example run
@@ -120,23 +120,28 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(name="test-oldest-torch")
 def test_oldest_torch(session: nox.Session) -> None:
-    """The libraries' tests on the oldest torch they declare (``torch>=X``): a floor is a version tested.
+    """Each library's tests on the oldest torch it declares (``torch>=X``): a floor is a version tested.
 
-    Installs ``torch==X`` for the lowest floor among the libraries, or ``$OLDEST_TORCH_SPEC`` if set
-    (to pick a build this machine can install: a CPU wheel's index, say). Not part of CI: the wheel
-    of an older torch is a large download, where the default one is a local file.
+    ``-- minddp shardopt`` picks libraries (default: all four). For each floor, lowest first, it
+    installs ``torch==X`` (or ``$OLDEST_TORCH_SPEC``, to pick a build this machine can install)
+    and runs the tests of the libraries with that floor. Not part of CI: an older torch is a large
+    download, where the default one is a local wheel.
     """
-    floors = {dist: torch_floor(dist) for dist in LIBRARIES}
-    oldest = min((f for f in floors.values() if f), key=lambda v: tuple(map(int, v.split("."))))
-    spec = os.environ.get("OLDEST_TORCH_SPEC", f"torch=={oldest}")
-    session.log("declared torch floors: " + ", ".join(f"{d} {f}" for d, f in floors.items())
-                + f"; installing {spec}")
-    install_torch(session, spec)
-    for dist in LIBRARIES:
-        install_local(session, [dist])
-    session.run("python", "-c", "import torch; print('testing on torch', torch.__version__)")
-    for dist in LIBRARIES:
-        session.run(*PYTEST, f"{PACKAGES[dist][0]}/tests", *session.posargs)
+    dists = [resolve(name) for name in session.posargs] or LIBRARIES
+    by_floor: dict[str, list[str]] = {}
+    for dist in dists:
+        floor = torch_floor(dist)
+        if floor is None:
+            session.error(f"{dist} declares no torch>=X floor")
+        by_floor.setdefault(floor, []).append(dist)
+    for floor in sorted(by_floor, key=lambda v: tuple(map(int, v.split(".")))):
+        spec = os.environ.get("OLDEST_TORCH_SPEC", f"torch=={floor}")
+        session.log(f"{', '.join(by_floor[floor])}: declared torch>={floor}; installing {spec}")
+        install_torch(session, spec)
+        install_local(session, by_floor[floor])
+        session.run("python", "-c", "import torch; print('testing on torch', torch.__version__)")
+        for dist in by_floor[floor]:
+            session.run(*PYTEST, f"{PACKAGES[dist][0]}/tests")
 
 
 @nox.session(venv_params=SYSTEM_SITE)

@@ -183,14 +183,14 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
     meta = {**run_metadata(args.command), **(metadata or {})}
     folder = Path(args.results_dir) / device_slug(meta["device"])
     csv_path = folder / f"{name}.csv"
-    csv = io.StringIO()
+    csv_text = io.StringIO()
     for key, value in meta.items():
-        csv.write(f"# {key}: {value}\n")
-    df.to_csv(csv, index=False)
+        csv_text.write(f"# {key}: {value}\n")
+    df.to_csv(csv_text, index=False)
     header = "\n".join(f"- {key}: `{value}`" for key, value in meta.items())
     markdown = f"# {name}\n\n{header}\n\n{to_markdown(df)}\n"
     staged: list[tuple[str, Path]] = []  # both files complete on the disk before either replaces its old one
-    for path, text in ((csv_path, csv.getvalue()), (csv_path.with_suffix(".md"), markdown)):
+    for path, text in ((csv_path, csv_text.getvalue()), (csv_path.with_suffix(".md"), markdown)):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             staged.append((_staged(path, text), path))
