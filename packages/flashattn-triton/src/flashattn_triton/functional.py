@@ -13,6 +13,13 @@ from flashattn_triton.ops import uses_triton
 __all__ = ["flash_attention", "uses_triton"]
 
 
+@torch.compiler.assume_constant_result
+def _autocast_available(device_type: str) -> bool:
+    """Whether ``device_type`` has autocast (meta tensors do not): a constant to Dynamo, which skips
+    ``torch.amp.is_autocast_available`` itself and would break the graph there (torch 2.11)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -38,7 +45,7 @@ def flash_attention(
     inputs are cast to the autocast dtype first, as SDPA's are.
     """
     device_type = query.device.type if isinstance(query, torch.Tensor) else "cpu"
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                              for t in (query, key, value))  # fmt: skip
