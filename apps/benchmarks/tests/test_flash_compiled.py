@@ -41,3 +41,27 @@ def test_cuda_graphs_time_every_pass_of_triton_and_sdpa_flash():
     for which in flash.PASSES:
         assert (df[f"{which} ms"].map(lambda x: isinstance(x, float) and x > 0)).all(), df
         assert df.set_index("impl").loc["sdpa-flash", f"{which} x flash"] == 1.0
+
+
+def test_a_failed_capture_reports_the_error_that_broke_it():
+    try:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch")
+    except RuntimeError as exc:
+        line = flash.first_line(exc)
+    assert line == ("RuntimeError: CUDA error: operation not permitted when stream is capturing (then) "
+                    "RuntimeError: CUDA error: operation failed due to a previous error during capture")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_failed_capture_leaves_the_process_able_to_capture_and_draw_random_numbers(capsys):
+    timer = flash.graphed(lambda replay: (replay(), 1.0)[1])
+    x = torch.ones(8, device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert timer(lambda: (x * 2).sum().item()) == flash.CAPTURE_FAILED  # .item() syncs: illegal there
+        assert torch.cuda.current_stream() != torch.cuda.default_stream()
+        torch.randn(4, device="cuda")  # raised "Offset increment outside graph capture" before the fix
+        assert timer(lambda: x.mul_(2)) == 1.0
+    assert "CUDA graph capture failed: " in capsys.readouterr().out

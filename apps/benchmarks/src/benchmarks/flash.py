@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from rich.markup import escape
 
 from benchmarks.common import (
     OOM,
@@ -192,18 +193,50 @@ def make_timer(dev: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[
 
 
 def captured(run: Callable[[], object], warmups: int = 3) -> Callable[[], None]:
-    """run captured into a CUDA graph, after warm-up calls on a side stream (as torch.cuda.graph asks: lazy
-    initialization, workspaces and autotuning happen there, not in the capture): the graph's replay."""
+    """run captured into a CUDA graph on the current stream, after warm-up calls on a side stream (as
+    torch.cuda.graph asks: lazy initialization, workspaces and autotuning happen there, not in the
+    capture): the graph's replay. The current stream must be the one the inputs' autograd graph was made
+    on (main runs every cell on a stream of its own): autograd runs a backward on its forward's stream,
+    so a backward whose forward ran on another stream would leave the capture. A capture that fails
+    leaves no capture behind (see _end_failed_capture)."""
+    stream = torch.cuda.current_stream()
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    side.wait_stream(stream)
     with torch.cuda.stream(side):
         for _ in range(warmups):
             run()
-    torch.cuda.current_stream().wait_stream(side)
+    stream.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            run()
+    except BaseException:
+        _end_failed_capture(graph, stream)
+        raise
     return graph.replay
+
+
+def _end_failed_capture(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
+    """Leave no trace of a failed capture. torch.cuda.graph's exit ends the capture, but where that
+    raises (the capture was invalidated) it stops before the default generators leave capture mode, and
+    every later random op then raises "Offset increment outside graph capture encountered unexpectedly":
+    each gets a fresh state with its seed and offset."""
+    with torch.cuda.stream(stream):
+        if torch.cuda.is_current_stream_capturing():  # the exception came before the capture's end
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # invalidated: the capture has ended all the same
+    for generator in torch.cuda.default_generators:
+        generator.graphsafe_set_state(generator.clone_state())
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of exc's message, after that of the error it was raised while handling: a capture
+    whose body failed reports the body's error, and torch.cuda.graph's exit then raises "operation
+    failed due to a previous error during capture" over it."""
+    lines = [f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}" for e in (exc.__context__, exc) if e]
+    return " (then) ".join(lines)
 
 
 def graphed(timer: Callable[[Callable[[], object]], float]) -> Callable[[Callable[[], object]], float | str]:
@@ -215,7 +248,7 @@ def graphed(timer: Callable[[Callable[[], object]], float]) -> Callable[[Callabl
         except RuntimeError as exc:
             if is_oom(exc):
                 raise
-            console.print(f"[yellow]CUDA graph capture failed: {str(exc)[:300]}[/yellow]")
+            console.print(f"[yellow]CUDA graph capture failed: {escape(first_line(exc))}[/yellow]")
             return CAPTURE_FAILED
         return timer(replay)
 
@@ -415,7 +448,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     measured: list[list[dict[str, float | str]]] = [[] for _ in cells]
     deadline = math.inf if args.max_minutes is None else time.perf_counter() + args.max_minutes * 60
     rounds = [(index, cell) for _ in range(args.repeats) for index, cell in enumerate(cells)]
-    with progress() as bar:
+    # Under --cuda-graphs every cell runs on a stream of its own, which captured() captures on.
+    cells_stream = torch.cuda.Stream() if args.cuda_graphs else None
+    with progress() as bar, torch.cuda.stream(cells_stream):
         for index, (shape, impl) in bar.track(rounds, description="timing"):
             fn = attention_fn(impl, dev)
             reason = NOT_AVAILABLE if fn is None else skip_reason(impl, shape, args)
