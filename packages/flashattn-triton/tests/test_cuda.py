@@ -574,6 +574,58 @@ def test_reduce_overhead_captures_forward_and_backward(blocks, dtype):
     assert skips == 0, f"CUDA graphs were skipped: {dict(torch._dynamo.utils.counters['inductor'])}"
 
 
+@pytest.mark.parametrize("configs", ["tuned", "split-kv"])
+@pytest.mark.parametrize("which", ["fwd", "bwd", "fwd+bwd"])
+@pytest.mark.parametrize("entry", ["flash_attention", "FlashAttentionTriton"])
+def test_each_pass_captures_on_its_own_through_each_entry_point(monkeypatch, tmp_path, entry, which, configs):
+    """benchmarks.flash --cuda-graphs's cells: (1, 1, 1024, 64) bfloat16 causal, tuned (or only the
+    forward's split key tiles, which that problem's tuning may pick), each pass captured on its own after
+    warm-ups on a side stream, the bwd pass's forward made before the capture on the capture stream."""
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
+    if configs == "split-kv":  # tuned afresh among the splits
+        monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path))
+        monkeypatch.setattr(TUNING, "chosen", {})
+        every = triton_impl.candidates
+        monkeypatch.setattr(triton_impl, "candidates", lambda problem: [
+            c for c in every(problem) if getattr(c, "kv_splits", 1) > 1] or every(problem))  # fmt: skip
+    if entry == "flash_attention":
+        attention = lambda q, k, v: flash_attention(q, k, v, is_causal=True)  # noqa: E731
+    else:
+        attention = lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True)  # noqa: E731
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        q, k, v = (torch.randn(1, 1, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # fmt: skip
+        grad_out = torch.randn_like(q)
+        out = attention(q, k, v)
+        runs = {
+            "fwd": lambda: (attention(q, k, v),),
+            "bwd": lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
+            "fwd+bwd": lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), grad_out),
+        }
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                runs[which]()
+        stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            results = runs[which]()
+        with torch.no_grad():
+            grad_out.copy_(torch.randn_like(grad_out))
+            for result in results:
+                result.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    want.backward(grad_out)
+    wanted = (want,) if which == "fwd" else tuple(leaf.grad for leaf in leaves)
+    for got, expected in zip(results, wanted, strict=True):
+        torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.parametrize(("lead", "seqlen", "tune"), [((1, 1), 512, False), ((4, 16), 4096, True)],
                          ids=["small", "large-tuned"])
 def test_torch_cuda_graph_captures_forward_and_backward(monkeypatch, lead, seqlen, tune):
