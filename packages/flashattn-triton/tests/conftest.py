@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_triton
 from flashattn_triton import reference_attention, reference_logsumexp
@@ -243,9 +244,18 @@ def _check_infinities(device: str, where: str, is_causal: bool) -> None:
         out = flashattn_triton.flash_attention(q, k, v, is_causal=is_causal)
     finally:
         torch.set_float32_matmul_precision(previous)
-    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                            is_causal=is_causal)  # fmt: skip
+    # SDPA's float64 reference from its CPU flash kernel, which skips masked keys as the kernels do: on
+    # CUDA float64 runs SDPA's math backend, which adds -inf to masked scores, and a masked +inf score
+    # (a row before key 90 in K) then gives NaN there.
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(t.double().cpu() for t in (q, k, v)), is_causal=is_causal).to(device)  # fmt: skip
     spoiled = ~torch.isfinite(want).all(-1)
+    # The rows that see an infinite key with a score of +inf, by definition (-inf gives that key weight 0).
+    visible = torch.ones(130, 130, dtype=torch.bool, device=device)
+    visible = visible.tril() if is_causal else visible
+    scores = torch.where(visible, q.double() @ k.double().transpose(-2, -1), 0.0)
+    assert where == "v" or torch.equal(spoiled, (scores == float("inf")).any(-1))
     assert spoiled.any() and not spoiled.all()
     assert torch.equal(~torch.isfinite(out).all(-1), spoiled)
     torch.testing.assert_close(out[~spoiled].double(), want[~spoiled], atol=1e-5, rtol=1e-5)
