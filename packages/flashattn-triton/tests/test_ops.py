@@ -6,6 +6,10 @@ Inductor does, without a C++ toolchain (test_cuda.py compiles with Inductor).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -160,3 +164,16 @@ def test_autocast_inside_a_compiled_function_casts_without_a_graph_break():
     want = torch.autograd.grad(loss(q, k, v), (q, k, v))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_a_first_call_imports_neither_dynamo_nor_sympy():
+    """Importing and first calling flash_attention, forward and backward, stays off torch.compile's
+    modules: torch._dynamo's import (sympy, torch.fx's symbolic shapes, the FSDP custom ops...) took
+    seconds of a fresh process's first call on a GPU box."""
+    code = ("import sys, torch, flashattn_triton\n"
+            "q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))\n"
+            "flashattn_triton.flash_attention(q, k, v, is_causal=True).sum().backward()\n"
+            "print([m for m in ('torch._dynamo', 'sympy') if m in sys.modules])")  # fmt: skip
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout

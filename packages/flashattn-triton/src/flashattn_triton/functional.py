@@ -13,10 +13,14 @@ from flashattn_triton.ops import uses_triton
 __all__ = ["flash_attention", "uses_triton"]
 
 
-@torch.compiler.assume_constant_result
 def _autocast_available(device_type: str) -> bool:
-    """Whether ``device_type`` has autocast (meta tensors do not): a constant to Dynamo, which skips
-    ``torch.amp.is_autocast_available`` itself and would break the graph there (torch 2.11)."""
+    """Whether ``device_type`` has autocast (meta tensors do not). Dynamo skips
+    ``torch.amp.is_autocast_available`` and would break the graph there (torch 2.11): while compiling,
+    every device type but meta counts as having it (a compile runs on the devices autocast serves). Not
+    ``torch.compiler.assume_constant_result``: it imports torch._dynamo, which took seconds of a process's
+    first call."""
+    if torch.compiler.is_compiling():
+        return device_type != "meta"
     return torch.amp.is_autocast_available(device_type)
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,22 @@ from flashattn_triton import _inputs, triton_impl
 from flashattn_triton.torch_impl import torch_backward, torch_forward
 
 UNBOUNDED = -1
+
+_LIBRARY = torch.library.Library("flashattn_triton", "DEF")
+
+
+def _operator(implementation: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """torch.ops.flashattn_triton.<implementation's name>, with implementation's signature
+    (torch.library.infer_schema), fake as its fake (meta) implementation and implementation on every
+    device. What torch.library.custom_op registers, less the torch._disable_dynamo it wraps each
+    implementation in: that wrapper's first call imports torch._dynamo (sympy, torch.fx's symbolic
+    shapes...), which took seconds of a process's first flash_attention call. (The fake comes first:
+    it is the Meta kernel only where no kernel serves Meta yet.)"""
+    name = implementation.__name__
+    _LIBRARY.define(name + torch.library.infer_schema(implementation, mutates_args=()))
+    torch.library.register_fake(f"flashattn_triton::{name}", fake, lib=_LIBRARY)
+    _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
+    return getattr(torch.ops.flashattn_triton, name).default
 
 
 def _triton_available() -> bool:
@@ -93,7 +110,6 @@ def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float,
     return window_right == 0
 
 
-@torch.library.custom_op("flashattn_triton::attn_fwd", mutates_args=())
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
              rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
              diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
@@ -107,7 +123,6 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
     return torch_forward(q, k, v, is_causal, scale)
 
 
-@torch.library.custom_op("flashattn_triton::attn_bwd", mutates_args=())
 def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
              lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None, scale: float,
              window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
@@ -122,7 +137,6 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
     return torch_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse)
 
 
-@attn_fwd.register_fake
 def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                    rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
                    diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
@@ -132,7 +146,6 @@ def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dr
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@attn_bwd.register_fake
 def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                    lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
                    scale: float, window_left: int, window_right: int, diagonal_offset: int,
@@ -166,4 +179,7 @@ def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tup
     return (*grads, *[None] * len(options))
 
 
-attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+attn_fwd = _operator(attn_fwd, _attn_fwd_fake)
+attn_bwd = _operator(attn_bwd, _attn_bwd_fake)
+torch.library.register_autograd("flashattn_triton::attn_fwd", _backward, setup_context=_setup_context,
+                                lib=_LIBRARY)  # fmt: skip
