@@ -557,13 +557,26 @@ def test_one_inductor_graph_serves_every_length(blocks):
     assert len(backend.compilations) == 1
 
 
+def _split_key_tiles_only(monkeypatch) -> None:
+    """Forward candidates with split key tiles only, where a problem has them (small ones on a GPU)."""
+    every = triton_impl.candidates
+    monkeypatch.setattr(triton_impl, "candidates", lambda problem: [
+        c for c in every(problem) if getattr(c, "kv_splits", 1) > 1] or every(problem))  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["default", "split-kv"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_reduce_overhead_captures_forward_and_backward(blocks, dtype):
+def test_reduce_overhead_captures_forward_and_backward(blocks, monkeypatch, dtype, split):
+    """split-kv: the forward's partials, which a capture must take from its own graph's pool (CUDA graph
+    trees rewind their pool and would hand a buffer kept past the capture to other tensors)."""
+    if split:
+        _split_key_tiles_only(monkeypatch)
     torch._dynamo.utils.counters.clear()
     block = _block(blocks, flash_attention).to(dtype)
     compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
     for _ in range(4):  # warm-up runs, then the recording, then replays
-        x = torch.randn(2, 256, 128, device="cuda", dtype=dtype, requires_grad=True)
+        x = torch.randn(*((1, 1024) if split else (2, 256)), 128, device="cuda", dtype=dtype,
+                        requires_grad=True)  # fmt: skip
         got, got_grads = blocks.step(compiled, x)
         got, got_grads = got.clone(), [g.clone() for g in got_grads]
         want, want_grads = blocks.step(block, x)
@@ -585,9 +598,7 @@ def test_each_pass_captures_on_its_own_through_each_entry_point(monkeypatch, tmp
     if configs == "split-kv":  # tuned afresh among the splits
         monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path))
         monkeypatch.setattr(TUNING, "chosen", {})
-        every = triton_impl.candidates
-        monkeypatch.setattr(triton_impl, "candidates", lambda problem: [
-            c for c in every(problem) if getattr(c, "kv_splits", 1) > 1] or every(problem))  # fmt: skip
+        _split_key_tiles_only(monkeypatch)
     if entry == "flash_attention":
         attention = lambda q, k, v: flash_attention(q, k, v, is_causal=True)  # noqa: E731
     else:

@@ -77,7 +77,11 @@ def stream_buffer(use: str, numel: int, dtype: torch.dtype, device: torch.device
                   stream: int | None) -> torch.Tensor:  # fmt: skip
     """A buffer kept per (use, device, stream) and grown as needed, for memory that one launch writes and
     the next reads: an allocation a launch is host time. Sharing it is safe because the launches of one
-    stream run one after another."""
+    stream run one after another. While the stream is captured into a CUDA graph the buffer is the
+    capture's own, from the graph's memory pool: one kept past the capture would hold memory of that pool,
+    which its owner (torch.compile's CUDA graph trees) may hand to other tensors when it rewinds it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=dtype, device=device)
     key = (use, device, stream)
     buffer = _stream_buffers.get(key)
     if buffer is None or buffer.numel() < numel:
