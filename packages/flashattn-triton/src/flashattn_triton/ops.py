@@ -58,7 +58,7 @@ from flashattn_triton.torch_impl import torch_backward, torch_forward
 
 UNBOUNDED = -1
 
-_LIBRARY = torch.library.Library("flashattn_triton", "DEF")
+_LIBRARY = torch.library.Library("flashattn_triton", "FRAGMENT")  # as custom_op's
 
 
 def _operator(implementation: Callable, fake: Callable) -> torch._ops.OpOverload:
