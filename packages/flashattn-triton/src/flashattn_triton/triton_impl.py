@@ -24,7 +24,7 @@ from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch, smaller
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
-from flashattn_triton._planning import Problem, candidates
+from flashattn_triton._planning import Problem, candidates, is_small_problem
 from flashattn_triton._tuning import TUNING
 from flashattn_triton._validation import check_inputs
 
@@ -87,9 +87,12 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
-        problem = Problem(pass_name, q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2], head_dim,
-                          q.dtype, is_causal, precision, _sm_count(q.device) if q.is_cuda else 0,
-                          _launcher.interpreted(), _hopper.supports(pass_name, q, tensors, head_dim),
+        batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
+        # (small problems never run the Gluon kernels: their first call need not import Gluon)
+        hopper = not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim) and _hopper.supports(
+            pass_name, q, tensors, head_dim)  # fmt: skip
+        problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
+                          _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
                           deterministic)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
