@@ -159,7 +159,8 @@ def test_autocast_inside_a_compiled_function_casts_without_a_graph_break():
         return out.float().square().sum()
 
     q, k, v = (torch.randn(1, 2, 16, 16, requires_grad=True) for _ in range(3))
-    assert torch._dynamo.explain(loss)(q, k, v).graph_break_count == 0
+    explanation = torch._dynamo.explain(loss)(q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
     got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
     want = torch.autograd.grad(loss(q, k, v), (q, k, v))
     for g, w in zip(got, want, strict=True):
