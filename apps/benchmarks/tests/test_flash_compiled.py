@@ -59,9 +59,10 @@ def test_a_failed_capture_reports_the_error_that_broke_it():
 def test_a_failed_capture_leaves_the_process_able_to_capture_and_draw_random_numbers(capsys):
     timer = flash.graphed(lambda replay: (replay(), 1.0)[1])
     x = torch.ones(8, device="cuda")
-    with torch.cuda.stream(torch.cuda.Stream()):
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
         assert timer(lambda: (x * 2).sum().item()) == flash.CAPTURE_FAILED  # .item() syncs: illegal there
-        assert torch.cuda.current_stream() != torch.cuda.default_stream()
+        assert torch.cuda.current_stream() == stream
         torch.randn(4, device="cuda")  # raised "Offset increment outside graph capture" before the fix
         assert timer(lambda: x.mul_(2)) == 1.0
     assert "CUDA graph capture failed: " in capsys.readouterr().out
