@@ -113,6 +113,12 @@ def _keep(seed_ptr, counters, threshold):
 
 
 @triton.jit
+def _counters(z, h, rows, stride_b, stride_h, stride_i):
+    """Dropout counters of (z, h, rows) up to the key: one column, to which the keys are added."""
+    return z.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows.to(tl.int64)[:, None] * stride_i
+
+
+@triton.jit
 def _tile_ptrs(base, rows, stride_t, BLOCK_D: tl.constexpr):
     return base + rows.to(tl.int64)[:, None] * stride_t + tl.arange(0, BLOCK_D)[None, :]
 
@@ -145,8 +151,9 @@ def attn_fwd(
     k_base = K + z.to(tl.int64) * stride_kz + kv_head * stride_kh + k_start.to(tl.int64) * stride_kt
     v_base = V + z.to(tl.int64) * stride_vz + kv_head * stride_vh + k_start.to(tl.int64) * stride_vt
     mask_base = Mask + z.to(tl.int64) * stride_mz + h * stride_mh + rows.to(tl.int64)[:, None] * stride_mq
-    counter_base = z.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + (q_start + rows).to(tl.int64)[:, None] * stride_di
-    q = tl.load(_tile_ptrs(q_base, rows, stride_qt, BLOCK_D), mask=(rows[:, None] < seqlen_q) & (dims[None, :] < head_dim), other=0.0)
+    counter_base = _counters(z, h, q_start + rows, stride_db, stride_dh, stride_di)
+    in_rows = (rows[:, None] < seqlen_q) & (dims[None, :] < head_dim)
+    q = tl.load(_tile_ptrs(q_base, rows, stride_qt, BLOCK_D), mask=in_rows, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -176,12 +183,10 @@ def attn_fwd(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-    in_rows = rows < seqlen_q
     o_base = Out + z.to(tl.int64) * stride_oz + h * stride_oh + q_start.to(tl.int64) * stride_ot
-    tl.store(_tile_ptrs(o_base, rows, stride_ot, BLOCK_D), out.to(Out.dtype.element_ty),
-             mask=in_rows[:, None] & (dims[None, :] < head_dim))  # fmt: skip
+    tl.store(_tile_ptrs(o_base, rows, stride_ot, BLOCK_D), out.to(Out.dtype.element_ty), mask=in_rows)
     l_base = L + z.to(tl.int64) * stride_lz + h * stride_lh + q_start.to(tl.int64) * stride_lt
-    tl.store(l_base + rows.to(tl.int64) * stride_lt, lse, mask=in_rows)
+    tl.store(l_base + rows.to(tl.int64) * stride_lt, lse, mask=rows < seqlen_q)
 
 
 @triton.jit
@@ -260,7 +265,8 @@ def attn_bwd_dkdv(
                 dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
     dk_base = DK + z.to(tl.int64) * stride_dkz + kv_head * stride_dkh + k_start.to(tl.int64) * stride_dkt
     dv_base = DV + z.to(tl.int64) * stride_dvz + kv_head * stride_dvh + k_start.to(tl.int64) * stride_dvt
-    tl.store(_tile_ptrs(dk_base, cols, stride_dkt, BLOCK_D), (dk * scale).to(DK.dtype.element_ty), mask=in_keys)
+    dk = (dk * scale).to(DK.dtype.element_ty)
+    tl.store(_tile_ptrs(dk_base, cols, stride_dkt, BLOCK_D), dk, mask=in_keys)
     tl.store(_tile_ptrs(dv_base, cols, stride_dvt, BLOCK_D), dv.to(DV.dtype.element_ty), mask=in_keys)
 
 
@@ -295,7 +301,7 @@ def attn_bwd_dq(
     k_base = K + z.to(tl.int64) * stride_kz + kv_head * stride_kh + k_start.to(tl.int64) * stride_kt
     v_base = V + z.to(tl.int64) * stride_vz + kv_head * stride_vh + k_start.to(tl.int64) * stride_vt
     mask_base = Mask + z.to(tl.int64) * stride_mz + h * stride_mh + rows.to(tl.int64)[:, None] * stride_mq
-    counter_base = z.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + (q_start + rows).to(tl.int64)[:, None] * stride_di
+    counter_base = _counters(z, h, q_start + rows, stride_db, stride_dh, stride_di)
     q = tl.load(_tile_ptrs(q_base, rows, stride_qt, BLOCK_D), mask=in_rows, other=0.0)
     do = tl.load(_tile_ptrs(do_base, rows, stride_dot, BLOCK_D), mask=in_rows, other=0.0)
     lse2, delta = _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh, stride_lt)
@@ -319,4 +325,5 @@ def attn_bwd_dq(
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
     dq_base = DQ + z.to(tl.int64) * stride_dqz + h * stride_dqh + q_start.to(tl.int64) * stride_dqt
-    tl.store(_tile_ptrs(dq_base, rows, stride_dqt, BLOCK_D), (dq * scale).to(DQ.dtype.element_ty), mask=in_rows)
+    dq = (dq * scale).to(DQ.dtype.element_ty)
+    tl.store(_tile_ptrs(dq_base, rows, stride_dqt, BLOCK_D), dq, mask=in_rows)

@@ -119,9 +119,9 @@ def _problem(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, d
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
     dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), *drop_strides)
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    constants = {"BLOCK_D": block_d, "HAS_LEFT": window_left != UNBOUNDED, "HAS_RIGHT": window_right != UNBOUNDED,
-                 "MASK": mask_kind, "DROPOUT": dropout_p > 0.0, "VARLEN": varlen,
-                 "INPUT_PRECISION": _input_precision(q.dtype)}  # fmt: skip
+    constants = {"BLOCK_D": block_d, "HAS_LEFT": window_left != UNBOUNDED,
+                 "HAS_RIGHT": window_right != UNBOUNDED, "MASK": mask_kind, "DROPOUT": dropout_p > 0.0,
+                 "VARLEN": varlen, "INPUT_PRECISION": _input_precision(q.dtype)}  # fmt: skip
     return _Problem(varlen, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, mask, mask_strides,
                     mask_kind, rng_state, (shared, scale, band, dropout), constants)  # fmt: skip
 
