@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 
 import pytest
 import torch
+from torch import nn
 
 from flashattn_triton import reference_attention, reference_logsumexp
 
@@ -165,3 +167,50 @@ def _assert_tf32_parts(parts: torch.Tensor, x4: torch.Tensor) -> None:
 def assert_tf32_parts():
     """_assert_tf32_parts(parts, x4)."""
     return _assert_tf32_parts
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block (nanoGPT's) with a pluggable attention function."""
+
+    def __init__(self, attention, d_model: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.attention, self.heads = attention, heads
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.qkv, self.proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seqlen, d_model = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d_model, dim=-1)
+        q, k, v = (t.view(batch, seqlen, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = self.attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seqlen, d_model)
+        x = x + self.proj(y)
+        return x + self.mlp(self.norm2(x))
+
+
+def _block_step(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The block's output and the gradients of its squared sum for its parameters and x."""
+    out = block(x)
+    grads = torch.autograd.grad(out.square().sum(), [*block.parameters(), x])
+    return out, list(grads)
+
+
+class CountingBackend:
+    """A torch.compile backend (`backend`: aot_eager, or inductor) that records the compilations it serves:
+    (frame, compile) ids, a restart of Dynamo's analysis of one frame counting once."""
+
+    def __init__(self, backend: str = "aot_eager") -> None:
+        self.backend = torch._dynamo.lookup_backend(backend)
+        self.compilations: set[tuple[int, int]] = set()
+
+    def __call__(self, graph_module, example_inputs):
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        self.compilations.add((compile_id.frame_id, compile_id.frame_compile_id))
+        return self.backend(graph_module, example_inputs)
+
+
+@pytest.fixture
+def blocks():
+    """Block (a Transformer block taking an attention function), step(block, x) -> (out, gradients) and
+    CountingBackend, for the compile tests."""
+    return types.SimpleNamespace(Block=Block, step=_block_step, CountingBackend=CountingBackend)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from flashattn_triton import feature_impl, torch_impl
+from flashattn_triton import feature_impl, flash_attention, torch_impl
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -108,3 +108,40 @@ def test_varlen_with_gqa_causal_and_dropout():
     for options in ({"is_causal": True}, {"window_size": (4, 2)}, {"dropout_p": 0.2}):
         args = varlen_op_arguments(q, k, v, cu_q, cu_k, 40, 31, enable_gqa=True, **options)
         assert_matches_torch_path(args, grad_out)
+
+
+def test_flash_attention_routes_features_to_the_feature_kernels(monkeypatch):
+    launched = []
+    original = feature_impl.feature_forward
+    monkeypatch.setattr(
+        feature_impl, "feature_forward", lambda *a, **kw: launched.append(1) or original(*a, **kw)
+    )
+    q, k, v, grad_out = qkv()
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*tensors, enable_gqa=True, window_size=(6, 0))
+    out.backward(grad_out)
+    assert launched
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward,
+               op_arguments(q, k, v, enable_gqa=True, window_size=(6, 0)), grad_out)  # fmt: skip
+    for name, got in (
+        ("out", out),
+        ("dq", tensors[0].grad),
+        ("dk", tensors[1].grad),
+        ("dv", tensors[2].grad),
+    ):
+        torch.testing.assert_close(got, want[name], atol=1e-5, rtol=1e-5)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v, grad_out = qkv(q_heads=2, kv_heads=2)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+            flash_attention(*tensors, is_causal=True).backward(grad_out)
+            grads.append([t.grad for t in tensors])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)

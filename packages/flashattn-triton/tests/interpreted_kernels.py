@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from flashattn_triton import FlashAttentionTriton, flash_attention, triton_impl
+from flashattn_triton import FlashAttentionTriton, flash_attention, ops, triton_impl
 from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
 from flashattn_triton.triton_impl import _tf32_parts, triton_backward, triton_forward
 
@@ -187,13 +187,31 @@ def test_launchers_take_inputs_that_require_grad(problem):
         assert torch.equal(got, want)
 
 
-def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(problem):
+def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(problem, monkeypatch):
+    def no_torch_path(*args, **kwargs):
+        raise AssertionError("the PyTorch path ran under the interpreter")
+
+    monkeypatch.setattr(ops.torch_impl, "attention_forward", no_torch_path)
+    monkeypatch.setattr(ops.torch_impl, "attention_backward", no_torch_path)
     p = problem((2,), 20, 20, 16, torch.float32, True, scale=0.5)
     q, k, v = p.inputs()
     out = flash_attention(q, k, v, is_causal=True, scale=0.5)
-    assert "FlashAttentionTriton" in type(out.grad_fn).__name__
     out.backward(p.grad_out)
     p.check(out, q, k, v)
+
+
+def test_opcheck_of_the_triton_path():
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
+    options = (None, 0.0, None, 0.25, -1, 0, 0, None, None, 0, 0)
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
+    out, lse = ops.attn_fwd(q, k, v, *options)
+    torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *options, False))
+
+
+def test_bfloat16_is_refused_with_a_clear_error():
+    q = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16.*TRITON_INTERPRET"):
+        flash_attention(q, q, q)
 
 
 def test_device_side_descriptors(problem, monkeypatch):

@@ -14,6 +14,7 @@ from flashattn_triton import (
     _configs,
     _hopper,
     flash_attention,
+    ops,
     triton_impl,
 )
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
@@ -102,11 +103,15 @@ def test_float32_with_tf32_allowed(problem):
     p.assert_close({"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}, torch.float16)
 
 
-def test_flash_attention_runs_triton_on_cuda(problem):
+def test_flash_attention_runs_triton_on_cuda(problem, monkeypatch):
+    def no_torch_path(*args, **kwargs):
+        raise AssertionError("the PyTorch path ran on CUDA")
+
+    monkeypatch.setattr(ops.torch_impl, "attention_forward", no_torch_path)
+    monkeypatch.setattr(ops.torch_impl, "attention_backward", no_torch_path)
     p = problem((2, 4), 257, 257, 64, torch.bfloat16, True, device="cuda")
     q, k, v = p.inputs()
     out = flash_attention(q, k, v, is_causal=True)
-    assert "FlashAttentionTriton" in type(out.grad_fn).__name__
     out.backward(p.grad_out)
     p.check(out, q, k, v)
 
@@ -141,13 +146,13 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     step = _CompiledOnCuda(_backward_key_tile)
-    x = torch.randn(1, 4, 16, device="cuda")
-    lse, delta = torch.zeros(1, 4, device="cuda"), torch.zeros(1, 4, device="cuda")
+    x = torch.randn(1, 1, 1, 4, 16, device="cuda")  # (B, Hkv, group, T, d)
+    lse, delta = torch.zeros(1, 1, 1, 4, device="cuda"), torch.zeros(1, 1, 1, 4, device="cuda")
     with pytest.warns(RuntimeWarning, match="no compiler here"):
-        first = step(x, x, x, x, x, x, lse, delta, 0.25, 0, 0, True)
+        first = step(x, x, x, x, x, x, lse, delta, 0.25, None, None, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        second = step(x, x, x, x, x, x, lse, delta, 0.25, 0, 0, True)
+        second = step(x, x, x, x, x, x, lse, delta, 0.25, None, None, None)
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b)
 
@@ -484,3 +489,100 @@ def test_mixed_devices_are_refused():
     q = torch.randn(2, 8, 16, device="cuda")
     with pytest.raises(ValueError, match="k is on cpu but q is on cuda"):
         FlashAttentionTriton.apply(q, q.cpu(), q)
+
+
+# --- the custom ops under torch.compile, CUDA graphs and opcheck ---------------------------------------
+
+OPTIONS = (None, 0.0, None, 0.125, -1, 0, 0, None, None, 0, 0)  # attn_fwd's arguments after v: causal
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_opcheck_on_cuda(dtype):
+    q, k, v = (torch.randn(2, 3, 200, 64, device="cuda", dtype=dtype) for _ in range(3))
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, *OPTIONS))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(ops.attn_fwd, (*leaves, *OPTIONS))
+    out, lse = ops.attn_fwd(q, k, v, *OPTIONS)
+    torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *OPTIONS, False))
+
+
+def _block(blocks, attention):
+    torch.manual_seed(0)
+    return blocks.Block(attention, d_model=128, heads=2).cuda()
+
+
+def test_compiled_block_with_inductor_has_no_graph_break_and_matches_sdpa(blocks):
+    block = _block(blocks, flash_attention)
+    sdpa_block = _block(blocks, torch.nn.functional.scaled_dot_product_attention)
+    sdpa_block.load_state_dict(block.state_dict())
+    x = torch.randn(2, 256, 128, device="cuda", requires_grad=True)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    got, got_grads = blocks.step(torch.compile(block, fullgraph=True), x)
+    want, want_grads = blocks.step(sdpa_block, x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+
+
+def test_one_inductor_graph_serves_every_length(blocks):
+    block = _block(blocks, flash_attention)
+    torch._dynamo.reset()
+    backend = blocks.CountingBackend("inductor")
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    for seqlen in (100, 257, 512, 1000):
+        x = torch.randn(2, seqlen, 128, device="cuda", requires_grad=True)
+        got, got_grads = blocks.step(compiled, x)
+        want, want_grads = blocks.step(block, x)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(backend.compilations) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reduce_overhead_captures_forward_and_backward(blocks, dtype):
+    torch._dynamo.utils.counters.clear()
+    block = _block(blocks, flash_attention).to(dtype)
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up runs, then the recording, then replays
+        x = torch.randn(2, 256, 128, device="cuda", dtype=dtype, requires_grad=True)
+        got, got_grads = blocks.step(compiled, x)
+        got, got_grads = got.clone(), [g.clone() for g in got_grads]
+        want, want_grads = blocks.step(block, x)
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(got_grads[-1], want_grads[-1], atol=tolerance, rtol=tolerance)
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    assert skips == 0, f"CUDA graphs were skipped: {dict(torch._dynamo.utils.counters['inductor'])}"
+
+
+@pytest.mark.parametrize(("lead", "seqlen", "tune"), [((1, 1), 512, False), ((4, 16), 4096, True)],
+                         ids=["small", "large-tuned"])
+def test_torch_cuda_graph_captures_forward_and_backward(monkeypatch, lead, seqlen, tune):
+    if tune:  # tuned during the warm-up; the capture then launches the chosen kernels
+        monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
+    shape = (*lead, seqlen, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            flash_attention(q, k, v, is_causal=True).backward(grad_out)
+    torch.cuda.current_stream().wait_stream(side)
+    q.grad = k.grad = v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention(q, k, v, is_causal=True)
+        out.backward(grad_out)
+    for _ in range(2):  # new inputs in place, then replay
+        with torch.no_grad():
+            for t in (q, k, v, grad_out):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        want = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+        want.backward(grad_out)
+        torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
+        for got, leaf in zip((q.grad, k.grad, v.grad), leaves, strict=True):
+            torch.testing.assert_close(got, leaf.grad, atol=5e-2, rtol=5e-2)

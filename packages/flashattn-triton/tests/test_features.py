@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
-from flashattn_triton import torch_impl
+from flashattn_triton import flash_attention, flash_attention_varlen, torch_impl
 from flashattn_triton._dropout import Dropout, draw_rng, philox, threshold
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
@@ -402,3 +402,81 @@ BAD_VARLEN = [
 def test_bad_varlen_input_names_the_argument(message, change):
     with pytest.raises((ValueError, TypeError), match=message):
         varlen_op_arguments(**_packed_args(**change))
+
+
+def public_gradients(out: torch.Tensor, leaves, grad_out: torch.Tensor) -> dict:
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads), strict=True))
+
+
+def leaves(*tensors):
+    return [t.clone().requires_grad_() for t in tensors]
+
+
+def test_flash_attention_takes_every_feature_through_its_op():
+    q, k, v, grad_out = inputs(2, 4, 2, 33, 47, 16)
+    mask = torch.randn(2, 1, 33, 47)
+    torch.manual_seed(4)
+    out, lse = flash_attention(
+        *leaves(q, k, v), mask, 0.2, enable_gqa=True, window_size=(10, 3), return_lse=True
+    )
+    assert lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+    torch.manual_seed(4)
+    args = op_arguments(q, k, v, mask, 0.2, enable_gqa=True, window_size=(10, 3))
+    want = reference(q, k, v, grad_out, attn_mask=mask, window_left=10, window_right=3,
+                     dropout_scale=dropout_scale(args))  # fmt: skip
+    torch.manual_seed(4)
+    inputs_ = leaves(q, k, v)
+    out = flash_attention(*inputs_, mask, 0.2, enable_gqa=True, window_size=(10, 3))
+    check(public_gradients(out, inputs_, grad_out), {n: want[n] for n in ("out", "dq", "dk", "dv")})
+
+
+def test_flash_attention_matches_sdpa_for_gqa_and_masks():
+    q, k, v, grad_out = inputs(2, 6, 2, 30, 40, 16)
+    mask = torch.rand(2, 1, 30, 40) > 0.3
+    ours, theirs = leaves(q, k, v), leaves(q, k, v)
+    got = public_gradients(flash_attention(*ours, mask, enable_gqa=True), ours, grad_out)
+    want = public_gradients(F.scaled_dot_product_attention(*theirs, mask, enable_gqa=True), theirs, grad_out)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attention_dropout_is_reproducible_with_manual_seed():
+    q, k, v, grad_out = inputs(1, 2, 2, 20, 20, 16)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        tensors = leaves(q, k, v)
+        results.append(public_gradients(flash_attention(*tensors, dropout_p=0.5), tensors, grad_out))
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+
+
+def test_flash_attention_varlen_through_its_op():
+    lengths_q, lengths_k = [9, 30, 4], [12, 25, 4]
+    q, k, v, grad_out, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 1, 16)
+    tensors = leaves(q, k, v)
+    out = flash_attention_varlen(*tensors, cu_q, cu_k, 30, 25, is_causal=True, enable_gqa=True)
+    got = public_gradients(out, tensors, grad_out)
+    for b in range(3):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        alone = leaves(q[rows], k[keys], v[keys])
+        want_out = flash_attention(*(t.transpose(0, 1) for t in alone), is_causal=True, enable_gqa=True)
+        want = public_gradients(want_out.transpose(0, 1), alone, grad_out[rows])
+        for name, part in (("out", rows), ("dq", rows), ("dk", keys), ("dv", keys)):
+            torch.testing.assert_close(got[name][part], want[name], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_with_features_has_no_graph_break():
+    q, k, v, _ = inputs(2, 4, 2, 24, 24, 16)
+    mask = torch.randn(24, 24)
+
+    def attend(q, k, v):
+        return flash_attention(q, k, v, mask, enable_gqa=True, window_size=(5, 0)).sum()
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(attend)(q, k, v)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
+    torch._dynamo.reset()

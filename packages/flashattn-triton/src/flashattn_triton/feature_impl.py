@@ -110,6 +110,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, d
         mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
     else:
         mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B, Hq, Tq, Tk) or broadcastable
         mask_strides = tuple(0 if n == 1 else s for n, s in zip(mask.shape, mask.stride(), strict=True))
         mask_kind = 1 if attn_mask.dtype == torch.bool else 2
     if dropout_p > 0.0 and rng_state is None:

@@ -1,53 +1,88 @@
-"""flash_attention: the drop-in for scaled_dot_product_attention, on whichever path suits the device."""
+"""flash_attention: the drop-in for scaled_dot_product_attention, through the custom ops of ops.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import warnings
+from typing import Any
 
 import torch
 
-from flashattn_triton.torch_impl import FlashAttentionTorch
-from flashattn_triton.triton_impl import FlashAttentionTriton, interpret_requested
+from flashattn_triton import ops
+from flashattn_triton._validation import op_arguments, varlen_op_arguments
+from flashattn_triton.ops import uses_triton
 
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def uses_triton(device: torch.device) -> bool:
-    """Whether flash_attention runs the Triton kernels for tensors on `device`."""
-    if device.type == "cuda":
-        if _triton_available():
-            return True
-        warnings.warn(
-            "triton is not installed: flash_attention runs FlashAttentionTorch on CUDA",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return device.type == "cpu" and interpret_requested() and _triton_available()
+__all__ = ["flash_attention", "flash_attention_varlen", "uses_triton"]
 
 
 def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None
-) -> torch.Tensor:
-    """softmax(scale * q k^T) v like torch.nn.functional.scaled_dot_product_attention, as FlashAttention-2.
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale * q k^T + mask) v as scaled_dot_product_attention computes it, by FlashAttention-2.
 
-    q: (..., Tq, d); k, v: (..., Tk, d) with q's leading dims; float16, bfloat16 or float32. Causal
-    masking is top-left aligned (query i sees keys j <= i). scale defaults to 1/sqrt(d). Runs the
-    Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1), FlashAttentionTorch elsewhere.
-    Under torch.autocast the inputs are cast to the autocast dtype first, as SDPA's are.
+    Positional order and semantics are SDPA's. query: (..., Hq, Tq, d); key, value: (..., Hkv, Tk, d);
+    float16, bfloat16 or float32 (3-D inputs are (heads, T, d)). Causal masking is top-left aligned
+    (query i sees keys j <= i). scale defaults to 1/sqrt(d). window_size=(left, right), -1 unbounded:
+    query i sees keys i - left .. i + right. return_lse=True returns (out, lse), lse float32 of shape
+    (..., Hq, Tq). Runs the Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1), the PyTorch
+    path elsewhere, through the custom ops torch.ops.flashattn_triton.attn_fwd/attn_bwd, so that it
+    compiles (torch.compile, torch.export) and captures into CUDA graphs. Under torch.autocast the
+    inputs are cast to the autocast dtype first, as SDPA's are.
     """
-    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-    if torch.is_autocast_enabled(device_type):
+    device_type = query.device.type if isinstance(query, torch.Tensor) else "cpu"
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = (
-            t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v)
-        )
+        query, key, value = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                             for t in (query, key, value))  # fmt: skip
         with torch.autocast(device_type, enabled=False):
-            return flash_attention(q, k, v, is_causal, scale)
-    function = (
-        FlashAttentionTriton if isinstance(q, torch.Tensor) and uses_triton(q.device) else FlashAttentionTorch
-    )
-    return function.apply(q, k, v, is_causal, scale)
+            return flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   window_size=window_size, return_lse=return_lse)  # fmt: skip
+    args = op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse = ops.attn_fwd(*args)
+    out = out.view(query.shape)
+    return (out, lse.view(query.shape[:-1])) if return_lse else out
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention over packed sequences of different lengths, in flash-attn's layout: q (total_q, Hq, d),
+    k and v (total_k, Hkv, d), sequence b being rows cu_seqlens[b]:cu_seqlens[b + 1] (cu_seqlens_q/_k:
+    int32, (batch + 1,), cumulative lengths from 0; max_seqlen_q/_k: the longest). Returns (total_q, Hq,
+    d), each sequence's rows equal to flash_attention of that sequence alone (is_causal and window_size
+    aligned top-left within it). Through the same custom ops as flash_attention, with no padding."""
+    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                   for t in (q, k, v))  # fmt: skip
+        with torch.autocast(device_type, enabled=False):
+            return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                          window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
+    args = varlen_op_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               is_causal, scale, window_size, enable_gqa)  # fmt: skip
+    out, _ = ops.attn_fwd(*args)
+    return out

@@ -65,7 +65,8 @@ class _Problem:
         return x.unsqueeze(2)
 
     def _grouped_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """The 4-dim mask as 5 dims broadcastable to (B, Hkv, G, Tq, Tk), size-1 dims kept."""
+        """The mask (4 dims or fewer) as 5 dims broadcastable to (B, Hkv, G, Tq, Tk), size-1 dims kept."""
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
         if mask.shape[1] == 1:
             return mask.unsqueeze(1)
         return mask.view(mask.shape[0], self.kv_heads, self.group, *mask.shape[2:])

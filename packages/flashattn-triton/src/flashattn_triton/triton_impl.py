@@ -86,6 +86,12 @@ def check_device(q: torch.Tensor) -> None:
             "they cannot run on CPU tensors in this process; set it before the first call (or use "
             "FlashAttentionTorch)"
         )
+    if q.dtype == torch.bfloat16:  # its dot products come out wrong there (seen with Triton 3.9)
+        raise TypeError(
+            "bfloat16 is not supported by Triton's CPU interpreter (TRITON_INTERPRET=1), whose bfloat16 "
+            "dot products are wrong; use float32 or float16 there, or unset TRITON_INTERPRET to run the "
+            "PyTorch path"
+        )
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -683,10 +689,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
 
 def _gradient_buffers(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Empty dQ, dK, dV: slices of one allocation when their shapes agree (an allocation costs host time
-    that small problems notice), each then laid out as a contiguous tensor of its own."""
-    if q4.shape == k4.shape:
-        return torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
+    """Empty dQ, dK, dV, each an allocation of its own: they are a custom op's outputs, which must not
+    alias one another."""
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
 
 

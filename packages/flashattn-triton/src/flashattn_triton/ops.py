@@ -1,0 +1,184 @@
+"""The attention operators: ``torch.ops.flashattn_triton.attn_fwd`` and ``attn_bwd``.
+
+They make flash_attention a first-class torch operator: fake (meta) implementations with symbolic shapes
+let ``torch.compile(fullgraph=True)``, dynamic shapes, ``torch.export`` and meta tensors see through them,
+and ``register_autograd`` ties the two together. On CUDA (and on CPU under ``TRITON_INTERPRET=1``) they
+run the Triton kernels, elsewhere the PyTorch path (torch_impl).
+
+They are opaque custom ops rather than ``torch.library.triton_op``s: the kernels are launched through a
+plan chosen and tuned at run time (``_run``), the Hopper kernels are Gluon, and the launcher calls
+Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)`` call
+that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
+
+The contract (issue 20's features are argued here, so that their implementations change no schema)
+-----------------------------------------------------------------------------------------------------
+``attn_fwd(q, k, v, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
+cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
+
+- ``q (B, Hq, Tq, d)``, ``k, v (B, Hkv, Tk, d)``, one dtype (float16, bfloat16, float32) and device,
+  any strides. ``Hq != Hkv`` is grouped-query attention: ``Hq % Hkv == 0`` and query head ``h`` reads K/V
+  head ``h // (Hq // Hkv)``.
+- Packed sequences (varlen): with ``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, ``(batch + 1,)``,
+  cumulative lengths from 0) q is ``(total_q, Hq, d)`` and k, v ``(total_k, Hkv, d)``; sequence ``b`` is
+  rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``max_seqlen_q/k`` bound the lengths (0 when not packed).
+- ``attn_mask``: None, a bool tensor (True = may attend) or a float tensor added to the scaled scores,
+  broadcastable to ``(B, Hq, Tq, Tk)``. It gets no gradient.
+- ``dropout_p`` in [0, 1): attention probabilities dropped as SDPA does. ``rng_state``: int64 ``(2,)`` on
+  q's device, (Philox seed, offset), drawn by flash_attention from the device's default generator; None
+  when ``dropout_p == 0``. The backward regenerates the same mask from it.
+- ``scale``: the softmax scale (flash_attention resolves None to 1/sqrt(d)).
+- Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
+  window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
+  the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
+  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
+- ``out`` is contiguous, shaped and typed like q; ``lse`` float32, contiguous, of shape ``q.shape[:-1]``:
+  the log-sum-exp of each row's (masked) scaled scores.
+
+``attn_bwd(grad_out, grad_lse, q, k, v, out, lse, <attn_fwd's arguments after v>, deterministic)
+-> (dq, dk, dv)``: contiguous, shaped like q, k, v. ``grad_lse`` (optional) is the gradient of lse,
+for callers who use it. ``deterministic``: bitwise repeatable gradients (no atomics), set from
+``torch.are_deterministic_algorithms_enabled()``.
+
+Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
+missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
+causal attention with Hq == Hkv, and the feature kernels (feature_impl) for everything else and for the
+backward under deterministic algorithms.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flashattn_triton import feature_impl, torch_impl, triton_impl
+
+UNBOUNDED = -1
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the ops run the Triton kernels for tensors on `device`: on CUDA where Triton is installed,
+    on CPU under TRITON_INTERPRET=1."""
+    if device.type == "cuda":
+        if _triton_available():
+            return True
+        warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return device.type == "cpu" and triton_impl.interpret_requested() and _triton_available()
+
+
+def _path(q: Tensor, k: Tensor, options: dict[str, Any], deterministic: bool = False) -> str:
+    """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
+    (triton_impl's tuned kernels) for plain or top-left causal attention with as many K/V heads as query
+    heads; "features" (feature_impl) for every other problem, and for the backward under deterministic
+    algorithms (the tuned backward may add dQ up with atomics)."""
+    if not uses_triton(q.device):
+        return "torch"
+    window_right, offset = options["window_right"], options["diagonal_offset"]
+    plain = (
+        options["attn_mask"] is None
+        and options["dropout_p"] == 0.0
+        and options["cu_seqlens_q"] is None
+        and q.shape[1] == k.shape[1]
+        and options["window_left"] == UNBOUNDED
+        and (window_right == UNBOUNDED or (window_right == 0 and offset == 0))
+        and options.get("grad_lse") is None
+        and not deterministic
+    )
+    return "tuned" if plain else "features"
+
+
+def _check_triton_inputs(q: Tensor) -> None:
+    triton_impl.check_device(q)
+    triton_impl.check_head_dim(q)
+
+
+@torch.library.custom_op("flashattn_triton::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+             rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
+             diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+             max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(out, lse) of attention, as the module docstring says: the Triton kernels where uses_triton (the tuned
+    ones where they apply, else the feature kernels), else the PyTorch path."""
+    options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
+               "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k}  # fmt: skip
+    path = _path(q, k, options)
+    if path == "torch":
+        return torch_impl.attention_forward(q, k, v, **options)
+    if path == "tuned":
+        return triton_impl.triton_forward(q, k, v, window_right == 0, scale)
+    _check_triton_inputs(q)
+    return feature_impl.feature_forward(q, k, v, **options)
+
+
+@torch.library.custom_op("flashattn_triton::attn_bwd", mutates_args=())
+def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+             lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None, scale: float,
+             window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
+             cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv) of attention, as the module docstring says."""
+    options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
+               "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
+    path = _path(q, k, options, deterministic)
+    if path == "torch":
+        return torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+    if path == "tuned":
+        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale)
+    _check_triton_inputs(q)
+    return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                   rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
+                   diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                   max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
+                   scale: float, window_left: int, window_right: int, diagonal_offset: int,
+                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
+                   max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, *options = inputs
+    out, lse = output
+    # Tensors are saved (for autograd's checks on them), the other options kept as they are.
+    ctx.tensor_options = [i for i, o in enumerate(options) if isinstance(o, Tensor)]
+    ctx.save_for_backward(q, k, v, out, lse, *(options[i] for i in ctx.tensor_options))
+    ctx.options = options
+    # Unused outputs get no gradient (None) rather than zeros: lse's gradient is None unless used.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    options = list(ctx.options)
+    for i, tensor in zip(ctx.tensor_options, tensors, strict=True):
+        options[i] = tensor
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = attn_bwd(grad_out, grad_lse, q, k, v, out, lse, *options,
+                     torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    return (*grads, *[None] * len(options))
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,161 @@
+"""The custom ops on CPU: opcheck, torch.compile without graph breaks, dynamic lengths, export, meta tensors.
+
+CPU compiles use the aot_eager backend: it runs the fake implementations and the autograd registration as
+Inductor does, without a C++ toolchain (test_cuda.py compiles with Inductor).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashattn_triton import flash_attention, ops, reference_logsumexp
+
+UNBOUNDED = -1
+
+
+def forward_args(q, k, v, is_causal, scale=0.25):
+    """attn_fwd's arguments for plain (causal) attention."""
+    return (q, k, v, None, 0.0, None, scale, UNBOUNDED, 0 if is_causal else UNBOUNDED, 0, None, None, 0, 0)
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_forward_and_backward(is_causal):
+    q, k, v = torch.randn(2, 3, 19, 16), torch.randn(2, 3, 23, 16), torch.randn(2, 3, 23, 16)
+    torch.library.opcheck(ops.attn_fwd, forward_args(q, k, v, is_causal))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(ops.attn_fwd, forward_args(*leaves, is_causal))  # with its autograd
+    out, lse = ops.attn_fwd(*forward_args(q, k, v, is_causal))
+    grad_out = torch.randn_like(out)
+    backward_args = (grad_out, None, q, k, v, out, lse, *forward_args(q, k, v, is_causal)[3:], False)
+    torch.library.opcheck(ops.attn_bwd, backward_args)
+
+
+def test_ops_match_sdpa_with_gradients():
+    q, k, v = (torch.randn(2, 3, 37, 16, requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_return_lse():
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 4, 13, 16), torch.randn(2, 4, 13, 16)
+    out, lse = flash_attention(q, k, v, is_causal=True, return_lse=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 9)
+    torch.testing.assert_close(lse, reference_logsumexp(q, k, is_causal=True))
+
+
+FEATURES = {  # attn_fwd's arguments that differ from forward_args', by position
+    "mask": {3: torch.rand(1, 1, 5, 7) > 0.3},
+    "float-mask": {3: torch.randn(5, 7)},
+    "dropout": {4: 0.2, 5: torch.tensor([11, 0])},
+    "window": {7: 2, 8: 1},
+    "causal-lower-right": {9: 2},
+    "gqa": {1: torch.randn(1, 1, 7, 16), 2: torch.randn(1, 1, 7, 16)},
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_opcheck_with_each_feature(feature):
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 7, 16)
+    args = list(forward_args(q, k, k.clone(), True))
+    for position, value in FEATURES[feature].items():
+        args[position] = value
+    torch.library.opcheck(ops.attn_fwd, args)
+    out, lse = ops.attn_fwd(*args)
+    backward_args = (torch.randn_like(out), torch.randn_like(lse), *args[:3], out, lse, *args[3:], True)
+    torch.library.opcheck(ops.attn_bwd, backward_args)
+
+
+def test_opcheck_packed_sequences():
+    cu_seqlens_q, cu_seqlens_k = (
+        torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([0, 4, 6], dtype=torch.int32),
+    )
+    q, k, v = torch.randn(8, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    args = (q, k, v, None, 0.0, None, 0.25, UNBOUNDED, 0, 0, cu_seqlens_q, cu_seqlens_k, 5, 4)
+    torch.library.opcheck(ops.attn_fwd, args)
+    out, lse = ops.attn_fwd(*args)
+    assert out.shape == q.shape and lse.shape == (8, 4)
+    torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *args[3:], False))
+
+
+def test_gradients_through_lse_and_out():
+    q, k, v = (torch.randn(2, 3, 11, 16, dtype=torch.float64) for _ in range(3))
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, is_causal=True, return_lse=True)
+    got = torch.autograd.grad((out * 0.5).sum() + lse.square().sum(), leaves)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out = F.scaled_dot_product_attention(*references, is_causal=True)
+    want_lse = reference_logsumexp(*references[:2], is_causal=True)
+    want = torch.autograd.grad((want_out * 0.5).sum() + want_lse.square().sum(), references)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
+def test_meta_tensors_in_give_meta_tensors_out():
+    q, k, v = (torch.empty(2, 3, 40, 16, device="meta", requires_grad=True) for _ in range(3))
+    out, lse = flash_attention(q, k, v, is_causal=True, return_lse=True)
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (2, 3, 40)
+    out.sum().backward()
+    assert q.grad.device.type == "meta" and q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+def test_compiled_block_has_no_graph_break_and_matches_eager(blocks):
+    torch.manual_seed(0)
+    block = blocks.Block(flash_attention)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    got, got_grads = blocks.step(compiled, x)
+    sdpa_block = blocks.Block(F.scaled_dot_product_attention)
+    sdpa_block.load_state_dict(block.state_dict())
+    want, want_grads = blocks.step(sdpa_block, x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["dynamic=True", "mark_dynamic"])
+def test_one_graph_serves_every_sequence_length(blocks, how):
+    torch.manual_seed(0)
+    block = blocks.Block(flash_attention)
+    backend = blocks.CountingBackend()
+    dynamic = True if how == "dynamic=True" else None
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=dynamic)
+    for seqlen in (9, 17, 30, 64, 100):
+        x = torch.randn(2, seqlen, 32, requires_grad=True)
+        if how == "mark_dynamic":
+            torch._dynamo.mark_dynamic(x, 1)
+        got, got_grads = blocks.step(compiled, x)
+        want, want_grads = blocks.step(block, x)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_grads[-1], want_grads[-1], atol=1e-5, rtol=1e-5)
+    assert len(backend.compilations) == 1
+
+
+def test_export_with_a_dynamic_sequence_length(blocks):
+    torch.manual_seed(0)
+    block = blocks.Block(flash_attention)
+    seqlen = torch.export.Dim("seqlen", min=2, max=1024)
+    exported = torch.export.export(block, (torch.randn(2, 16, 32),), dynamic_shapes=({1: seqlen},))
+    assert any(node.target is torch.ops.flashattn_triton.attn_fwd.default for node in exported.graph.nodes)
+    for length in (5, 33):
+        x = torch.randn(2, length, 32)
+        torch.testing.assert_close(exported.module()(x), block(x), atol=1e-5, rtol=1e-5)
