@@ -71,6 +71,46 @@ def _query_range(start_n, seqlen_q, offset, left, right, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
+def _unmasked_keys(start_m, lo, hi, seqlen_k, offset, left, right, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   MASK: tl.constexpr):  # fmt: skip
+    """[a, b), tile starts within [lo, hi): the key tiles that every row of start_m .. start_m + BLOCK_M - 1
+    sees whole (inside the band and the keys, no mask), so that they need no mask at all."""
+    hi_up = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    full_lo = lo
+    if HAS_LEFT:  # j >= i + offset - left for the tile's last row
+        first = tl.maximum(start_m + BLOCK_M - 1 + offset - left, 0)
+        full_lo = tl.maximum(tl.cdiv(first, BLOCK_N) * BLOCK_N, lo)
+    full_hi = seqlen_k // BLOCK_N * BLOCK_N
+    if HAS_RIGHT:  # j <= i + offset + right for its first row
+        full_hi = tl.minimum(tl.maximum(start_m + offset + right + 1, 0) // BLOCK_N * BLOCK_N, full_hi)
+    if MASK != 0:
+        full_hi = lo  # every tile reads the mask
+    a = tl.minimum(full_lo, hi_up)
+    return a, tl.maximum(a, tl.minimum(full_hi, hi_up))
+
+
+@triton.jit
+def _unmasked_queries(start_n, lo, hi, offset, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
+    """[a, b), tile starts within [lo, hi): the query tiles whose every row sees all of the keys start_n ..
+    start_n + BLOCK_N - 1 (rows and keys past the ends need no mask in the backward: their L reads +inf,
+    their keys are never stored)."""
+    hi_up = tl.cdiv(hi, BLOCK_M) * BLOCK_M
+    full_lo = lo
+    if HAS_RIGHT:  # start_n + BLOCK_N - 1 <= i + offset + right for the tile's first row
+        first = tl.maximum(start_n + BLOCK_N - 1 - offset - right, 0)
+        full_lo = tl.maximum(tl.cdiv(first, BLOCK_M) * BLOCK_M, lo)
+    full_hi = hi_up
+    if HAS_LEFT:  # start_n >= i + offset - left for its last row
+        full_hi = tl.maximum(start_n - offset + left + 1, 0) // BLOCK_M * BLOCK_M
+    if MASK != 0:
+        full_hi = lo
+    a = tl.minimum(full_lo, hi_up)
+    return a, tl.maximum(a, tl.minimum(full_hi, hi_up))
+
+
+@triton.jit
 def _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
     """Which (row, key) scores the band, the key range and a bool mask keep."""
@@ -124,6 +164,47 @@ def _tile_ptrs(base, rows, stride_t, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, k_base, v_base, mask_base, counter_base, Rng, rows, lo, hi, seqlen_q, seqlen_k,
+    head_dim, stride_kt, stride_vt, stride_mk, qk_scale, offset, left, right, threshold, dropout_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over the key tiles [lo, hi); the band, key range and mask applied if MASKED."""
+    offs_n = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_ptrs = mask_base + cols.to(tl.int64)[None, :] * stride_mk
+        if MASKED:
+            visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
+                               HAS_RIGHT, MASK)  # fmt: skip
+            live = _live(visible, MASK)
+        else:
+            live = True
+        if live:
+            in_keys = (cols[:, None] < seqlen_k) & (dims[None, :] < head_dim)
+            k = tl.load(_tile_ptrs(k_base, cols, stride_kt, BLOCK_D), mask=in_keys, other=0.0)
+            if MASKED:
+                s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # Rows that have seen no key yet keep m = -inf: subtract 0 there, so that exp2 gives 0, not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                keep = _keep(Rng, counter_base + cols[None, :], threshold)
+                p = tl.where(keep, p * dropout_scale, 0.0)
+            v = tl.load(_tile_ptrs(v_base, cols, stride_vt, BLOCK_D), mask=in_keys, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+            m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def attn_fwd(
     Q, K, V, Out, L, Mask, Rng, CuSeqlensQ, CuSeqlensK,
     stride_qz, stride_qh, stride_qt, stride_kz, stride_kh, stride_kt, stride_vz, stride_vh, stride_vt,
@@ -145,7 +226,6 @@ def attn_fwd(
         return
     kv_head = h // group
     rows = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     q_base = Q + z.to(tl.int64) * stride_qz + h * stride_qh + q_start.to(tl.int64) * stride_qt
     k_base = K + z.to(tl.int64) * stride_kz + kv_head * stride_kh + k_start.to(tl.int64) * stride_kt
@@ -159,27 +239,23 @@ def attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(start_m, seqlen_k, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        mask_ptrs = mask_base + cols.to(tl.int64)[None, :] * stride_mk
-        visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
-                           HAS_RIGHT, MASK)  # fmt: skip
-        if _live(visible, MASK):
-            in_keys = (cols[:, None] < seqlen_k) & (dims[None, :] < head_dim)
-            k = tl.load(_tile_ptrs(k_base, cols, stride_kt, BLOCK_D), mask=in_keys, other=0.0)
-            s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows that have seen no key yet keep m = -inf: subtract 0 there, so that exp2 gives 0, not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DROPOUT:
-                keep = _keep(Rng, counter_base + cols[None, :], threshold)
-                p = tl.where(keep, p * dropout_scale, 0.0)
-            v = tl.load(_tile_ptrs(v_base, cols, stride_vt, BLOCK_D), mask=in_keys, other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
-            m_i = m_new
+    a, b = _unmasked_keys(start_m, lo, hi, seqlen_k, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                          HAS_RIGHT, MASK)  # fmt: skip
+    # Masked tiles before the unmasked ones (the band's left edge), the unmasked, masked after (its right
+    # edge, the ragged end of the keys).
+    for segment in tl.static_range(3):
+        if segment == 0:
+            seg_lo, seg_hi = lo, a
+        elif segment == 1:
+            seg_lo, seg_hi = a, b
+        else:
+            seg_lo, seg_hi = b, hi
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, mask_base, counter_base, Rng, rows, seg_lo, seg_hi, seqlen_q,
+            seqlen_k, head_dim, stride_kt, stride_vt, stride_mk, qk_scale, offset, left, right, threshold,
+            dropout_scale, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION,
+            segment != 1,
+        )  # fmt: skip
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
@@ -198,6 +274,87 @@ def _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh, st
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     delta = tl.load(Delta + offs, mask=in_rows, other=0.0)
     return lse2, delta
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, cols, lo, hi,
+    seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz, stride_lh, stride_lt, qk_scale,
+    offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of one key tile accumulated over query head h's tiles [lo, hi); masks if MASKED."""
+    offs_m = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        mask_ptrs = mask_base + rows.to(tl.int64)[:, None] * stride_mq
+        if MASKED:
+            visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
+                               HAS_RIGHT, MASK)  # fmt: skip
+            live = _live(visible, MASK)
+        else:
+            live = True
+        if live:
+            in_rows = (rows[:, None] < seqlen_q) & (dims[None, :] < head_dim)
+            q = tl.load(_tile_ptrs(q_base, rows, stride_qt, BLOCK_D), mask=in_rows, other=0.0)
+            do = tl.load(_tile_ptrs(do_base, rows, stride_dot, BLOCK_D), mask=in_rows, other=0.0)
+            lse2, delta = _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh, stride_lt)
+            if MASKED:
+                s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+            if DROPOUT:
+                counters = counter_base + (q_start + rows).to(tl.int64)[:, None] * stride_di
+                keep = _keep(Rng, counters, threshold)
+                p_dropped = tl.where(keep, p * dropout_scale, 0.0)
+                dp = tl.where(keep, dp * dropout_scale, 0.0)
+            else:
+                p_dropped = p
+            dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, dv, input_precision=INPUT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, k_base, v_base, mask_base, counter_base, Rng, rows, lo, hi, seqlen_q, seqlen_k,
+    head_dim, stride_kt, stride_vt, stride_mk, qk_scale, offset, left, right, threshold, dropout_scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query tile accumulated over the key tiles [lo, hi); masks if MASKED."""
+    offs_n = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        mask_ptrs = mask_base + cols.to(tl.int64)[None, :] * stride_mk
+        if MASKED:
+            visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
+                               HAS_RIGHT, MASK)  # fmt: skip
+            live = _live(visible, MASK)
+        else:
+            live = True
+        if live:
+            in_keys = (cols[:, None] < seqlen_k) & (dims[None, :] < head_dim)
+            k = tl.load(_tile_ptrs(k_base, cols, stride_kt, BLOCK_D), mask=in_keys, other=0.0)
+            v = tl.load(_tile_ptrs(v_base, cols, stride_vt, BLOCK_D), mask=in_keys, other=0.0)
+            if MASKED:
+                s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+            if DROPOUT:
+                keep = _keep(Rng, counter_base + cols[None, :], threshold)
+                dp = tl.where(keep, dp * dropout_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
 
 
 @triton.jit
@@ -223,7 +380,6 @@ def attn_bwd_dkdv(
     if start_n >= seqlen_k:
         return
     cols = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     in_keys = (cols[:, None] < seqlen_k) & (dims[None, :] < head_dim)
     k_base = K + z.to(tl.int64) * stride_kz + kv_head * stride_kh + k_start.to(tl.int64) * stride_kt
@@ -233,36 +389,27 @@ def attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, hi = _query_range(start_n, seqlen_q, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    a, b = _unmasked_queries(start_n, lo, hi, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                             MASK)  # fmt: skip
     for g in range(group):
         h = kv_head * group + g
         q_base = Q + z.to(tl.int64) * stride_qz + h * stride_qh + q_start.to(tl.int64) * stride_qt
         do_base = DO + z.to(tl.int64) * stride_doz + h * stride_doh + q_start.to(tl.int64) * stride_dot
         mask_base = Mask + z.to(tl.int64) * stride_mz + h * stride_mh + cols.to(tl.int64)[None, :] * stride_mk
         counter_base = z.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + cols[None, :]
-        for start_m in tl.range(lo, hi, BLOCK_M):
-            rows = start_m + offs_m
-            mask_ptrs = mask_base + rows.to(tl.int64)[:, None] * stride_mq
-            visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
-                               HAS_RIGHT, MASK)  # fmt: skip
-            if _live(visible, MASK):
-                in_rows = (rows[:, None] < seqlen_q) & (dims[None, :] < head_dim)
-                q = tl.load(_tile_ptrs(q_base, rows, stride_qt, BLOCK_D), mask=in_rows, other=0.0)
-                do = tl.load(_tile_ptrs(do_base, rows, stride_dot, BLOCK_D), mask=in_rows, other=0.0)
-                lse2, delta = _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh,
-                                         stride_lt)  # fmt: skip
-                s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
-                p = tl.math.exp2(s - lse2[:, None])
-                dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-                if DROPOUT:
-                    counters = counter_base + (q_start + rows).to(tl.int64)[:, None] * stride_di
-                    keep = _keep(Rng, counters, threshold)
-                    p_dropped = tl.where(keep, p * dropout_scale, 0.0)
-                    dp = tl.where(keep, dp * dropout_scale, 0.0)
-                else:
-                    p_dropped = p
-                dv = tl.dot(tl.trans(p_dropped.to(do.dtype)), do, dv, input_precision=INPUT_PRECISION)
-                ds = p * (dp - delta[:, None])
-                dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=INPUT_PRECISION)
+        for segment in tl.static_range(3):  # masked, unmasked, masked (as in attn_fwd)
+            if segment == 0:
+                seg_lo, seg_hi = lo, a
+            elif segment == 1:
+                seg_lo, seg_hi = a, b
+            else:
+                seg_lo, seg_hi = b, hi
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, cols,
+                seg_lo, seg_hi, seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz,
+                stride_lh, stride_lt, qk_scale, offset, left, right, threshold, dropout_scale, stride_di,
+                BLOCK_M, BLOCK_D, HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION, segment != 1,
+            )  # fmt: skip
     dk_base = DK + z.to(tl.int64) * stride_dkz + kv_head * stride_dkh + k_start.to(tl.int64) * stride_dkt
     dv_base = DV + z.to(tl.int64) * stride_dvz + kv_head * stride_dvh + k_start.to(tl.int64) * stride_dvt
     dk = (dk * scale).to(DK.dtype.element_ty)
@@ -293,7 +440,6 @@ def attn_bwd_dq(
         return
     kv_head = h // group
     rows = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     in_rows = (rows[:, None] < seqlen_q) & (dims[None, :] < head_dim)
     q_base = Q + z.to(tl.int64) * stride_qz + h * stride_qh + q_start.to(tl.int64) * stride_qt
@@ -307,23 +453,21 @@ def attn_bwd_dq(
     lse2, delta = _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh, stride_lt)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi = _key_range(start_m, seqlen_k, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        mask_ptrs = mask_base + cols.to(tl.int64)[None, :] * stride_mk
-        visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
-                           HAS_RIGHT, MASK)  # fmt: skip
-        if _live(visible, MASK):
-            in_keys = (cols[:, None] < seqlen_k) & (dims[None, :] < head_dim)
-            k = tl.load(_tile_ptrs(k_base, cols, stride_kt, BLOCK_D), mask=in_keys, other=0.0)
-            v = tl.load(_tile_ptrs(v_base, cols, stride_vt, BLOCK_D), mask=in_keys, other=0.0)
-            s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
-            p = tl.math.exp2(s - lse2[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-            if DROPOUT:
-                keep = _keep(Rng, counter_base + cols[None, :], threshold)
-                dp = tl.where(keep, dp * dropout_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    a, b = _unmasked_keys(start_m, lo, hi, seqlen_k, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                          HAS_RIGHT, MASK)  # fmt: skip
+    for segment in tl.static_range(3):  # masked, unmasked, masked (as in attn_fwd)
+        if segment == 0:
+            seg_lo, seg_hi = lo, a
+        elif segment == 1:
+            seg_lo, seg_hi = a, b
+        else:
+            seg_lo, seg_hi = b, hi
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_base, v_base, mask_base, counter_base, Rng, rows, seg_lo, seg_hi,
+            seqlen_q, seqlen_k, head_dim, stride_kt, stride_vt, stride_mk, qk_scale, offset, left, right,
+            threshold, dropout_scale, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION,
+            segment != 1,
+        )  # fmt: skip
     dq_base = DQ + z.to(tl.int64) * stride_dqz + h * stride_dqh + q_start.to(tl.int64) * stride_dqt
     dq = (dq * scale).to(DQ.dtype.element_ty)
     tl.store(_tile_ptrs(dq_base, rows, stride_dqt, BLOCK_D), dq, mask=in_rows)

@@ -3,7 +3,7 @@ do not take (grouped-query attention, bands other than top-left causal, masks, d
 a gradient through the log-sum-exp). Same arguments and results as torch_impl.attention_forward and
 attention_backward; the backward is deterministic (no atomics).
 
-Triton is imported on first use. Block shapes follow the head dim and dtype (no tuning: these launches
+Triton is imported on first use. Tile shapes follow the head dim and dtype (no tuning: these launches
 are plain JIT calls, safe under CUDA graph capture after a first call).
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,22 +29,59 @@ def _kernels() -> ModuleType:
 
 
 class Blocks(NamedTuple):
+    """A launch's tiles: block_m query rows by block_n keys (for dK/dV: block_n keys owned, stepping
+    block_m query rows; for dQ and the forward: block_m rows owned, stepping block_n keys)."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
 
 
-def _blocks(block_d: int, dtype: torch.dtype, device: torch.device) -> Blocks:
-    """Tile shapes: square 64-row tiles, narrower where the head dim or float32 fill shared memory; small
-    ones for the interpreter, whose cost grows with the tile sizes' product."""
+class Launches(NamedTuple):
+    forward: Blocks
+    dkdv: Blocks
+    dq: Blocks
+
+
+SMALLEST = Blocks(32, 32, 4, 1)  # where a launch runs out of shared memory
+
+
+def _blocks(block_d: int, dtype: torch.dtype, device: torch.device) -> Launches:
+    """Tile shapes after Triton's fused-attention tutorial (H100): the program's own rows long, the steps
+    short; narrower where the head dim or float32 fill shared memory. Tiny ones for the interpreter, whose
+    cost grows with the tiles' product."""
     if device.type != "cuda":
-        return Blocks(16, 16, 1, 1)
-    if block_d >= 256 or (dtype == torch.float32 and block_d >= 128):
-        return Blocks(64, 32, 8, 1)
-    if dtype == torch.float32:
-        return Blocks(64, 32, 4, 2)
-    return Blocks(64, 64, 4, 3) if block_d <= 64 else Blocks(64, 64, 8, 2)
+        tiny = Blocks(16, 16, 1, 1)
+        return Launches(tiny, tiny, tiny)
+    if dtype == torch.float32 or block_d > 128:
+        return Launches(
+            Blocks(64, 32, 4 if block_d <= 64 else 8, 2), Blocks(16, 64, 4, 2), Blocks(64, 16, 4, 2)
+        )
+    warps = 4 if block_d <= 64 else 8
+    return Launches(Blocks(128, 64, warps, 3), Blocks(32, 128, warps, 3), Blocks(128, 32, warps, 3))
+
+
+def _launch(
+    kernel: Any, grid: Callable[[Blocks], tuple[int, int]], blocks: Blocks, *args: Any, **constants: Any
+) -> None:
+    """kernel[grid(blocks)](*args) with blocks' tiles, stepping down to SMALLEST if they do not fit."""
+    from triton.runtime.errors import OutOfResources
+
+    for attempt in (blocks, SMALLEST):
+        try:
+            kernel[grid(attempt)](
+                *args,
+                BLOCK_M=attempt.block_m,
+                BLOCK_N=attempt.block_n,
+                num_warps=attempt.num_warps,
+                num_stages=attempt.num_stages,
+                **constants,
+            )
+            return
+        except OutOfResources:
+            if attempt == SMALLEST:
+                raise
 
 
 def _input_precision(dtype: torch.dtype) -> str:
@@ -93,10 +131,20 @@ class _Problem(NamedTuple):
     constants: dict
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
-             rng_state: torch.Tensor | None, scale: float, window_left: int, window_right: int,
-             diagonal_offset: int, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
-             max_seqlen_k: int) -> _Problem:  # fmt: skip
+def _problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    rng_state: torch.Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    diagonal_offset: int,
+    cu_seqlens_q: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> _Problem:
     varlen = cu_seqlens_q is not None
     if varlen:
         batch, heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
@@ -120,11 +168,30 @@ def _problem(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, d
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
     dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), *drop_strides)
     block_d = max(16, 1 << (head_dim - 1).bit_length())
-    constants = {"BLOCK_D": block_d, "HAS_LEFT": window_left != UNBOUNDED,
-                 "HAS_RIGHT": window_right != UNBOUNDED, "MASK": mask_kind, "DROPOUT": dropout_p > 0.0,
-                 "VARLEN": varlen, "INPUT_PRECISION": _input_precision(q.dtype)}  # fmt: skip
-    return _Problem(varlen, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, mask, mask_strides,
-                    mask_kind, rng_state, (shared, scale, band, dropout), constants)  # fmt: skip
+    constants = {
+        "BLOCK_D": block_d,
+        "HAS_LEFT": window_left != UNBOUNDED,
+        "HAS_RIGHT": window_right != UNBOUNDED,
+        "MASK": mask_kind,
+        "DROPOUT": dropout_p > 0.0,
+        "VARLEN": varlen,
+        "INPUT_PRECISION": _input_precision(q.dtype),
+    }
+    return _Problem(
+        varlen,
+        batch,
+        heads,
+        kv_heads,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        mask,
+        mask_strides,
+        mask_kind,
+        rng_state,
+        (shared, scale, band, dropout),
+        constants,
+    )
 
 
 def feature_forward(
@@ -146,24 +213,54 @@ def feature_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_impl.attention_forward's (O, L), from _feature_kernels.attn_fwd."""
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
-                 cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
+    p = _problem(
+        q,
+        k,
+        attn_mask,
+        dropout_p,
+        rng_state,
+        scale,
+        window_left,
+        window_right,
+        diagonal_offset,
+        cu_seqlens_q,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     (seqlens, scale, band, dropout), c = p.shared, p.constants
-    blocks = _blocks(c["BLOCK_D"], q.dtype, q.device)
-    grid = (-(-p.seqlen_q // blocks.block_m), p.batch * p.heads)
+    blocks = _blocks(c["BLOCK_D"], q.dtype, q.device).forward
     with _device_guard(q):
-        _kernels().attn_fwd[grid](
-            q, k, v, out, lse, p.mask, p.rng, cu_seqlens_q, cu_seqlens_k,
-            *_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen), *_strides(out, p.varlen),
-            *_lse_strides(lse, p.varlen), *p.mask_strides, p.heads, p.heads // p.kv_heads, *seqlens,
-            scale * _kernels().LOG2E, *band, *dropout,
-            BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, num_warps=blocks.num_warps,
-            num_stages=blocks.num_stages, **c,
-        )  # fmt: skip
+        _launch(
+            _kernels().attn_fwd,
+            lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
+            blocks,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            p.mask,
+            p.rng,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *_strides(q, p.varlen),
+            *_strides(k, p.varlen),
+            *_strides(v, p.varlen),
+            *_strides(out, p.varlen),
+            *_lse_strides(lse, p.varlen),
+            *p.mask_strides,
+            p.heads,
+            p.heads // p.kv_heads,
+            *seqlens,
+            scale * _kernels().LOG2E,
+            *band,
+            *dropout,
+            **c,
+        )
     return out, lse
 
 
@@ -191,8 +288,20 @@ def feature_backward(
     """torch_impl.attention_backward's (dQ, dK, dV), from _feature_kernels.attn_bwd_dkdv then attn_bwd_dq:
     no atomics, so bitwise repeatable."""
     q, k, v, grad_out = (_unit_last(t) for t in (q, k, v, grad_out))
-    p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
-                 cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
+    p = _problem(
+        q,
+        k,
+        attn_mask,
+        dropout_p,
+        rng_state,
+        scale,
+        window_left,
+        window_right,
+        diagonal_offset,
+        cu_seqlens_q,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
     grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grads)
@@ -203,22 +312,71 @@ def feature_backward(
         delta = delta - grad_lse
     delta = delta.contiguous()
     (seqlens, scale, band, dropout), c = p.shared, p.constants
-    blocks = _blocks(c["BLOCK_D"], q.dtype, q.device)
+    launches = _blocks(c["BLOCK_D"], q.dtype, q.device)
     kernels = _kernels()
-    common = (*_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen),
-              *_strides(grad_out, p.varlen), *_lse_strides(lse, p.varlen))  # fmt: skip
-    options = {"BLOCK_M": blocks.block_m, "BLOCK_N": blocks.block_n, "num_warps": blocks.num_warps,
-               "num_stages": blocks.num_stages, **c}  # fmt: skip
+    common = (
+        *_strides(q, p.varlen),
+        *_strides(k, p.varlen),
+        *_strides(v, p.varlen),
+        *_strides(grad_out, p.varlen),
+        *_lse_strides(lse, p.varlen),
+    )
     group = p.heads // p.kv_heads
     with _device_guard(q):
-        kernels.attn_bwd_dkdv[(-(-p.seqlen_k // blocks.block_n), p.batch * p.kv_heads)](
-            q, k, v, grad_out, lse, delta, dk, dv, p.mask, p.rng, cu_seqlens_q, cu_seqlens_k, *common,
-            *_strides(dk, p.varlen), *_strides(dv, p.varlen), *p.mask_strides, p.kv_heads, group, *seqlens,
-            scale * kernels.LOG2E, scale, *band, *dropout, **options,
-        )  # fmt: skip
-        kernels.attn_bwd_dq[(-(-p.seqlen_q // blocks.block_m), p.batch * p.heads)](
-            q, k, v, grad_out, lse, delta, dq, p.mask, p.rng, cu_seqlens_q, cu_seqlens_k, *common,
-            *_strides(dq, p.varlen), *p.mask_strides, p.heads, group, *seqlens, scale * kernels.LOG2E,
-            scale, *band, *dropout, **options,
-        )  # fmt: skip
+        _launch(
+            kernels.attn_bwd_dkdv,
+            lambda b: (-(-p.seqlen_k // b.block_n), p.batch * p.kv_heads),
+            launches.dkdv,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            p.mask,
+            p.rng,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *common,
+            *_strides(dk, p.varlen),
+            *_strides(dv, p.varlen),
+            *p.mask_strides,
+            p.kv_heads,
+            group,
+            *seqlens,
+            scale * kernels.LOG2E,
+            scale,
+            *band,
+            *dropout,
+            **c,
+        )
+        _launch(
+            kernels.attn_bwd_dq,
+            lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
+            launches.dq,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            p.mask,
+            p.rng,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *common,
+            *_strides(dq, p.varlen),
+            *p.mask_strides,
+            p.heads,
+            group,
+            *seqlens,
+            scale * kernels.LOG2E,
+            scale,
+            *band,
+            *dropout,
+            **c,
+        )
     return dq, dk, dv
