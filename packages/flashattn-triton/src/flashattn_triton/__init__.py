@@ -5,7 +5,7 @@ from flashattn_triton.reference import reference_attention, reference_logsumexp
 from flashattn_triton.torch_impl import FlashAttentionTorch
 from flashattn_triton.triton_impl import FlashAttentionTriton
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "FlashAttentionTorch",
     "FlashAttentionTriton",
