@@ -2,7 +2,7 @@
 
     PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/tune.py --out tune.csv
 
-The candidates are those of flashattn_triton/_configs.py, which the launcher tunes among at run time.
+The candidates are _planning.candidates(problem), the function the launcher tunes among at run time.
 A pool of worker processes first compiles every candidate for the shapes' specializations (Triton's
 on-disk cache then serves every later process: --precompile-only stops there, which spares a
 benchmark run the sequential compiles of its first tuning). Then each candidate is timed with
@@ -21,17 +21,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_triton import _hopper, triton_impl
-from flashattn_triton._configs import (
-    HOPPER_BACKWARD,
-    HOPPER_FORWARD,
-    BackwardConfig,
-    ForwardConfig,
-    backward_candidates,
-    forward_candidates,
-    with_split_key_tiles,
-)
-from flashattn_triton.triton_impl import _block_d, _describe, triton_backward, triton_forward
+from flashattn_triton import _hopper, _planning
+from flashattn_triton._configs import BackwardConfig, ForwardConfig
+from flashattn_triton._inputs import input_precision, padded_head_dim
+from flashattn_triton._planning import Problem, describe
+from flashattn_triton.triton_impl import triton_backward, triton_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 CAUSAL = True
@@ -51,16 +45,15 @@ def parse_extra(text: str) -> dict[str, list]:
 
 def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
                extra: dict[str, list]) -> list:  # fmt: skip
-    """_configs.py's candidates for a problem (with split key tiles where the launcher tries them, and the
-    Gluon kernel for Hopper where its head dims and dtypes allow), then the --extra ones not among them."""
+    """The candidates the launcher tunes among for this problem (_planning.candidates, the same function),
+    then the --extra ones not among them."""
     size = torch.empty((), dtype=dtype).element_size()
-    table = forward_candidates if which == "fwd" else backward_candidates
-    listed = table(_block_d(head_dim), size, False)
-    if which == "fwd" and triton_impl.is_small_problem(batch_heads, seq, seq, head_dim):
-        sm_count = triton_impl._sm_count(torch.device("cuda", 0))
-        listed = with_split_key_tiles(listed, seq, seq, batch_heads, sm_count)
-    if size == 2 and head_dim in _hopper.HEAD_DIMS[which] and _hopper.available():
-        listed = listed + (HOPPER_FORWARD if which == "fwd" else HOPPER_BACKWARD)
+    padded = padded_head_dim(head_dim, size)
+    q = torch.empty(1, batch_heads, seq, head_dim, device="cuda", dtype=dtype)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    problem = Problem(which, batch_heads, seq, seq, padded, dtype, CAUSAL, input_precision(dtype), sm_count,
+                      hopper=_hopper.supports(which, q, (q,) * (3 if which == "fwd" else 5), padded))
+    listed = _planning.candidates(problem)
     return listed + [c for c in extra[which] if c not in listed]
 
 
@@ -85,7 +78,7 @@ def compile_job(job: tuple) -> tuple[tuple, str]:
     os.environ["FLASHATTN_TRITON_AUTOTUNE"] = "0"
     which, config, heads, head_dim, dtype_name, large = job
     if large:
-        triton_impl.SMALL_PROBLEM_WORK = 0
+        _planning.SMALL_PROBLEM_WORK = 0
     try:
         runner(which, config, heads, 256, head_dim, DTYPES[dtype_name])()
         torch.cuda.synchronize()
@@ -150,7 +143,7 @@ def main() -> None:
     shapes += [(*map(int, s.split("x")), "float32") for s in args.fp32_shapes.split(",") if s]
 
     def compile_key(which: str, config, bh: int, seq: int, d: int, dtype: str) -> tuple:
-        large = not triton_impl.is_small_problem(bh, seq, seq, d)
+        large = not _planning.is_small_problem(bh, seq, seq, d)
         return which, config, 1 if bh == 1 else 16, d, dtype, large
 
     def runs(key: tuple) -> bool:  # the Gluon kernels take large problems only, split key tiles small ones
@@ -194,7 +187,7 @@ def main() -> None:
                 else:
                     err = max(relative_error(g, r) for g, r in zip(result, ref_grads, strict=True))
                 row = {"pass": which, "batch_heads": bh, "T": seq, "d": d, "dtype": dtype_name,
-                       "config": _describe(config), "ms": round(ms, 4),
+                       "config": describe(config), "ms": round(ms, 4),
                        "TFLOP/s": round(flops / ms / 1e9, 1), "err vs sdpa": f"{err:.1e}"}  # fmt: skip
                 for label in ("flash", "cudnn", "efficient"):
                     if (label, which) in sdpa_ms:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import flashattn_triton
 from flashattn_triton import reference_attention, reference_logsumexp
 
 # Floors of the (relative Frobenius error, max error relative to max |reference|) allowed per dtype for
@@ -148,6 +149,14 @@ def _attention_and_gradients(
     return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def tuning_cache_of_the_session(tmp_path_factory):
+    """Tuned choices go to a directory of this test session's, not to the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("tuning-cache")))
+        yield
+
+
 @pytest.fixture
 def problem():
     """make_problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device=, layout=, scale=)."""
@@ -214,3 +223,65 @@ def blocks():
     """Block (a Transformer block taking an attention function), step(block, x) -> (out, gradients) and
     CountingBackend, for the compile tests."""
     return types.SimpleNamespace(Block=Block, step=_block_step, CountingBackend=CountingBackend)
+
+
+def _check_infinities(device: str, where: str, is_causal: bool) -> None:
+    """±inf in K or V at full float32 accuracy (TF32 parts): the rows that see that key are not finite, as
+    SDPA's; every other row is right (the split once made inf - inf = NaN, which reached the whole head)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 130, 32, generator=generator, device=device) for _ in range(3))
+    q.view(torch.int32).bitwise_or_(1)  # no q exact in TF32: its low part times inf is ±inf, never 0 * inf
+    # Head 0 stays finite. In V, at key 0, which every row sees: a causal row that does not see an infinite
+    # value of V can still meet it as 0 * inf in its diagonal tile's P V, as in FlashAttention's kernels.
+    if where == "k":
+        k[0, 1, 90, 3] = float("inf")
+    else:
+        v[0, 1, 0, 3] = float("inf")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out = flashattn_triton.flash_attention(q, k, v, is_causal=is_causal)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                            is_causal=is_causal)  # fmt: skip
+    spoiled = ~torch.isfinite(want).all(-1)
+    assert spoiled.any() and not spoiled.all()
+    assert torch.equal(~torch.isfinite(out).all(-1), spoiled)
+    torch.testing.assert_close(out[~spoiled].double(), want[~spoiled], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def check_infinities():
+    """_check_infinities(device, where ("k" or "v"), is_causal)."""
+    return _check_infinities
+
+
+def _check_gradients_through_lse(device: str, seqlen: int = 11, dtype: torch.dtype = torch.float32) -> None:
+    """flash_attention's (out, lse) both in the loss: gradients as float64 autograd through SDPA and
+    reference_logsumexp give them (the backward adds lse's gradient to dS)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(2, 3, seqlen, 16, dtype=torch.float64, device=device, generator=generator)
+               for _ in range(3))  # fmt: skip
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    q, k, v = (t.detach().double() for t in leaves)  # the reference from the rounded inputs
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out, lse = flashattn_triton.flash_attention(*leaves, is_causal=True, return_lse=True)
+        got = torch.autograd.grad((out * 0.5).sum() + lse.square().sum(), leaves)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out = torch.nn.functional.scaled_dot_product_attention(*references, is_causal=True)
+    want_lse = reference_logsumexp(*references[:2], is_causal=True)
+    want = torch.autograd.grad((want_out * 0.5).sum() + want_lse.square().sum(), references)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def check_gradients_through_lse():
+    """_check_gradients_through_lse(device, seqlen=11, dtype=torch.float32)."""
+    return _check_gradients_through_lse

@@ -13,9 +13,18 @@ import os
 import pytest
 import torch
 
-from flashattn_triton import FlashAttentionTriton, flash_attention, ops, triton_impl
+from flashattn_triton import (
+    FlashAttentionTriton,
+    _inputs,
+    _launcher,
+    _planning,
+    flash_attention,
+    ops,
+    triton_impl,
+)
 from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
-from flashattn_triton.triton_impl import _tf32_parts, triton_backward, triton_forward
+from flashattn_triton._inputs import tf32_parts
+from flashattn_triton.triton_impl import triton_backward, triton_forward
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_triton_interpreter.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
@@ -101,7 +110,7 @@ def test_split_key_tiles_give_the_same_attention_and_gradients(problem, case):
     grads = triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.3)
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
     (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "fwd"]
-    assert type(plan.launch).__name__ == "_LaunchPair"
+    assert type(plan.launch).__name__ == "LaunchPair"
 
 
 TRANSPOSED_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype)
@@ -142,7 +151,7 @@ def test_backward_computes_d_in_its_kernel_for_small_problems(problem, monkeypat
     and from the preprocess above the threshold; float32 at full accuracy (TF32 parts) always takes the
     preprocess, float32 with TF32 allowed the kernel."""
     if not small:
-        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # plain TF32 products: float32 takes the in-kernel D too
     try:
@@ -164,7 +173,7 @@ def test_preprocess_makes_d_and_clears_the_atomic_dq_sum(clears):
     out, grad_out = (torch.randn(batch, heads, seqlen, head_dim) for _ in range(2))
     delta = torch.full((batch, heads, seqlen), float("nan"))
     dq_acc = torch.full((batch, heads, acc_rows, block_d), float("nan")) if clears else None
-    kernels = triton_impl._kernels()
+    kernels = _launcher.kernels()
     kernels.attn_bwd_preprocess[(batch * heads, acc_rows // rows)](
         out, grad_out, delta, dq_acc, *out.stride()[:3], *grad_out.stride()[:3], heads, seqlen, head_dim,
         acc_rows, block_d, rows)  # fmt: skip
@@ -216,7 +225,7 @@ def test_bfloat16_is_refused_with_a_clear_error():
 
 def test_device_side_descriptors(problem, monkeypatch):
     """The path of GPUs older than Hopper: the kernels build their descriptors from pointers."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+    monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     p = problem((2, 2), 40, 27, 24, torch.float32, True, layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)
@@ -281,10 +290,20 @@ def test_gradients_taken_with_create_graph_refuse_a_second_differentiation(probl
 def test_tf32_parts_are_exact_and_their_high_parts_are_tf32(transposed, assert_tf32_parts):
     x = torch.randn(2, 3, 17, 24, dtype=torch.float32) * torch.logspace(-20, 20, 24)
     x4 = x.transpose(1, 2)  # any strides
-    parts = _tf32_parts(x4, transposed)
+    parts = tf32_parts(x4, transposed)
     if transposed:  # (2Z, H, d, T), its rows padded to 16 bytes
         assert parts.shape == (4, 17, 24, 3) and parts.stride()[-2:] == (4, 1)
         parts = parts.transpose(-1, -2)
     assert parts.shape == (4, 17, 3, 24)
     assert_tf32_parts(parts, x4)
     assert (parts[x4.shape[0] :].abs() <= x4.abs() * 2.0**-10).all()
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, where, is_causal):
+    check_infinities("cpu", where, is_causal)
+
+
+def test_gradients_through_lse_and_out(check_gradients_through_lse):
+    check_gradients_through_lse("cpu", seqlen=40)

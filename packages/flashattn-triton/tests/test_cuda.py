@@ -13,11 +13,15 @@ from flashattn_triton import (
     FlashAttentionTriton,
     _configs,
     _hopper,
+    _inputs,
+    _launcher,
+    _planning,
     flash_attention,
     ops,
     triton_impl,
 )
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
+from flashattn_triton._tuning import TUNING
 from flashattn_triton.torch_impl import _backward_key_tile, _CompiledOnCuda
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -71,9 +75,9 @@ def test_triton_matches_float64_reference(problem, case, path, monkeypatch):
     """Every case on the small-problem path (as these are), with descriptors from the host and, as on GPUs
     before Hopper, from the kernels; and on the large-problem path."""
     if path == "small-kernel-built":
-        monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+        monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     if path == "large":
-        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
     q, k, v = p.inputs()
@@ -199,14 +203,14 @@ def test_split_key_tiles_on_one_head(problem, splits):
 @pytest.mark.parametrize("lead", [(1, 3), (1, 1)], ids=["heads-3", "heads-1"])
 def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch, lead):
     monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
-    monkeypatch.setattr(triton_impl, "_chosen", {})
+    monkeypatch.setattr(TUNING, "chosen", {})
     seqlen = 1000 if lead[1] > 1 else 4096  # one head: short of programs, so split key tiles are offered
     p = problem(lead, seqlen, seqlen, 64, torch.bfloat16, True, device="cuda")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)
     out.backward(p.grad_out)
     p.check(out, q, k, v)
-    chosen = {key[0]: config for key, config in triton_impl._chosen.items()}
+    chosen = {key[1][0]: config for key, config in TUNING.chosen.items()}  # (device, size key)
     forward = _configs.forward_candidates(64, 2, False)
     assert chosen["fwd"] in _configs.with_split_key_tiles(forward, 1 << 20, 1 << 20, 1, 1 << 20)
     assert chosen["bwd"] in _configs.backward_candidates(64, 2, False)
@@ -245,7 +249,7 @@ def test_float32_transposed_backward(problem, monkeypatch, config, head_dim, hos
     32-row steps that are no candidates (the 16-row ones at d = 128 are, and test_every_candidate runs
     them)."""
     if host:
-        monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     p = problem((2, 3), 333, 290, head_dim, torch.float32, True, device="cuda")
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, head_dim**-0.5)
     grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, head_dim**-0.5, config)
@@ -268,7 +272,7 @@ needs_hopper_gluon = pytest.mark.skipif(
 ])  # fmt: skip
 def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_causal):
     """The Gluon kernel (named explicitly: problems this small would otherwise take the small path)."""
-    monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1)
     poison_allocator()
@@ -285,7 +289,7 @@ def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is
     (torch.bfloat16, (2,), 640, 128, True),
 ])  # fmt: skip
 def test_hopper_forward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_causal):
-    monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     poison_allocator()
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1, _configs.HOPPER_FORWARD[0])
@@ -296,7 +300,7 @@ def test_hopper_forward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_
 def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypatch):
     """Candidates for contiguous 16-bit problems with T a multiple of 128 and a head dim each compiles
     for (forward 64, 128; backward 16, 32, 64); never for others."""
-    monkeypatch.setattr(triton_impl, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     offered = {}
     problems = [("d=64", 256, "contiguous", 64), ("d=128", 256, "contiguous", 128),
                 ("d=32", 256, "contiguous", 32), ("ragged", 250, "contiguous", 64),
@@ -336,7 +340,7 @@ def test_repeated_layouts_launch_directly_and_stay_exact(problem, monkeypatch):
     computes D in the backward kernel, with no preprocess launch), its later calls launch the compiled
     kernels directly; a layout that differs only in what the JIT specializes on (T % 16, a base address
     off 16 bytes) gets a plan of its own and stays exact."""
-    kernels = triton_impl._kernels()
+    kernels = _launcher.kernels()
     jit_runs = []
     for fn in (kernels.attn_fwd, kernels.attn_bwd_preprocess, kernels.attn_bwd):
         monkeypatch.setattr(fn, "run", lambda *a, _run=fn.run, **kw: jit_runs.append(1) or _run(*a, **kw))
@@ -368,7 +372,7 @@ def test_later_launches_bypass_tritons_runner_and_launch_hooks_still_see_them(pr
     from triton import knobs
     from triton.compiler.compiler import CompiledKernel
 
-    if not triton_impl._launcher_abi_known():
+    if not _launcher._direct_launch_supported():
         pytest.skip(f"direct launches are checked against Triton 3.6's launcher, not {triton.__version__}")
     metadata_built = []
     original = CompiledKernel.launch_metadata
@@ -421,26 +425,26 @@ def test_tf32_parts_on_the_gpu(transposed, assert_tf32_parts):
     """The float32 split (one kernel) on a ragged, strided problem: exact parts, TF32 high parts."""
     x4 = torch.randn(2, 333, 3, 40, device="cuda").mul(torch.logspace(-20, 20, 40, device="cuda"))
     x4 = x4.transpose(1, 2)
-    parts = triton_impl._tf32_parts(x4, transposed)
+    parts = _inputs.tf32_parts(x4, transposed)
     assert_tf32_parts(parts.transpose(-1, -2) if transposed else parts, x4)
 
 
 def test_scratch_memory_is_kept_per_stream(monkeypatch):
     """Kernel-built descriptors' scratch: one buffer a stream, reused while it is big enough."""
-    monkeypatch.setattr(triton_impl, "_stream_buffers", {})
-    first = triton_impl._scratch(1024, 128, 1)
-    assert triton_impl._scratch(512, 128, 1) is first
-    grown = triton_impl._scratch(4096, 128, 1)
+    monkeypatch.setattr(_launcher, "_stream_buffers", {})
+    first = _launcher.scratch(1024, 128, 1)
+    assert _launcher.scratch(512, 128, 1) is first
+    grown = _launcher.scratch(4096, 128, 1)
     assert grown.numel() >= 4096 and grown.is_cuda
-    assert triton_impl._scratch(4096, 128, 1) is grown
-    assert triton_impl._scratch(512, 128, 2) is not grown
+    assert _launcher.scratch(4096, 128, 1) is grown
+    assert _launcher.scratch(512, 128, 2) is not grown
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_device_side_descriptors(problem, monkeypatch, dtype):
     """The path of GPUs older than Hopper, here on Hopper: the kernels build their descriptors (TMA in
     scratch memory from triton.set_allocator) from pointers to contiguous copies."""
-    monkeypatch.setattr(triton_impl, "_host_descriptors", lambda device: False)
+    monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     p = problem((2, 2), 300, 200, 64, dtype, True, device="cuda", layout="transposed")
     q, k, v = p.inputs()
     out = FlashAttentionTriton.apply(q, k, v, True)
@@ -489,6 +493,20 @@ def test_mixed_devices_are_refused():
     q = torch.randn(2, 8, 16, device="cuda")
     with pytest.raises(ValueError, match="k is on cpu but q is on cuda"):
         FlashAttentionTriton.apply(q, q.cpu(), q)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, where, is_causal):
+    check_infinities("cuda", where, is_causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["small", "large"])
+def test_gradients_through_lse_and_out(check_gradients_through_lse, monkeypatch, path, dtype):
+    if path == "large":
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    check_gradients_through_lse("cuda", 300, dtype)
 
 
 # --- the custom ops under torch.compile, CUDA graphs and opcheck ---------------------------------------

@@ -95,17 +95,8 @@ def test_opcheck_packed_sequences():
     torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *args[3:], False))
 
 
-def test_gradients_through_lse_and_out():
-    q, k, v = (torch.randn(2, 3, 11, 16, dtype=torch.float64) for _ in range(3))
-    leaves = [t.float().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attention(*leaves, is_causal=True, return_lse=True)
-    got = torch.autograd.grad((out * 0.5).sum() + lse.square().sum(), leaves)
-    references = [t.clone().requires_grad_() for t in (q, k, v)]
-    want_out = F.scaled_dot_product_attention(*references, is_causal=True)
-    want_lse = reference_logsumexp(*references[:2], is_causal=True)
-    want = torch.autograd.grad((want_out * 0.5).sum() + want_lse.square().sum(), references)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+def test_gradients_through_lse_and_out(check_gradients_through_lse):
+    check_gradients_through_lse("cpu")
 
 
 def test_meta_tensors_in_give_meta_tensors_out():
@@ -159,3 +150,18 @@ def test_export_with_a_dynamic_sequence_length(blocks):
     for length in (5, 33):
         x = torch.randn(2, length, 32)
         torch.testing.assert_close(exported.module()(x), block(x), atol=1e-5, rtol=1e-5)
+
+
+def test_autocast_inside_a_compiled_function_casts_without_a_graph_break():
+    def loss(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = flash_attention(q, k, v, is_causal=True)
+        assert out.dtype == torch.bfloat16
+        return out.float().square().sum()
+
+    q, k, v = (torch.randn(1, 2, 16, 16, requires_grad=True) for _ in range(3))
+    assert torch._dynamo.explain(loss)(q, k, v).graph_break_count == 0
+    got = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(q, k, v), (q, k, v))
+    want = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)

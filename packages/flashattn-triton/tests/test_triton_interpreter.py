@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashattn_triton import FlashAttentionTriton
-from flashattn_triton.triton_impl import _interpreted
+from flashattn_triton._launcher import interpreted
 
 
 def test_triton_kernels_under_the_interpreter():
@@ -54,7 +54,7 @@ def test_triton_kernels_under_the_interpreter():
 def test_interpreter_requested_after_the_kernels_were_compiled_is_refused(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if _interpreted():  # this process imported the kernels under TRITON_INTERPRET=1 itself
+    if interpreted():  # this process imported the kernels under TRITON_INTERPRET=1 itself
         return
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q = torch.randn(1, 8, 16)

@@ -279,6 +279,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def speedups(rows: list[dict[str, Any]], baseline: str) -> pd.DataFrame:
+    """Per (size, context, precision) and attention other than `baseline`: baseline's time / its time for
+    the forward, the backward and the step (above 1: faster than baseline; the optimizer's step does not
+    involve attention). Empty unless both ran; OOM cells are blank."""
+    timed = ["fwd ms", "bwd ms", "step ms"]
+    setting = ("size", "context", "precision")
+    baselines = {tuple(row[k] for k in setting): row for row in rows if row["attention"] == baseline}
+    ratios = []
+    for row in rows:
+        base = baselines.get(tuple(row[k] for k in setting))
+        if base is None or row["attention"] == baseline:
+            continue
+        ratio = {**{k: row[k] for k in setting}, "attention": row["attention"]}
+        for column in timed:
+            mine, theirs = row.get(column), base.get(column)
+            numbers = isinstance(mine, float) and isinstance(theirs, float) and mine > 0
+            ratio[f"{column.split()[0]} x {baseline}"] = theirs / mine if numbers else ""
+        ratios.append(ratio)
+    return pd.DataFrame(ratios)
+
+
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("warmup", "steps", "batch_size", "vocab_size", "profile_steps", "memory_steps"):
         value = getattr(args, name)
@@ -346,6 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     print_table(df, f"{name}: batch {args.batch_size}, {args.mode}, {args.warmup} warm-up + {args.steps} "
                     f"steps on {device_name()}{compiled}")
     save_results(df, name, args, metadata)
+    ratios = speedups(rows, baseline="sdpa")
+    if not ratios.empty:
+        print_table(ratios.map(as_cell), f"{name}: speedup over sdpa (its time / this one's){compiled}")
+        save_results(ratios.map(as_cell), f"{name}_vs_sdpa", args, metadata)
     if summaries:
         summary = pd.DataFrame(summaries).map(as_cell)
         print_table(summary, "kernel time per phase: matrix multiplies vs the rest")

@@ -18,6 +18,11 @@ TFLOP/s counts 4*B*T*T*d for the forward (half of it when causal) and 2.5 times 
 backward. The columns "x flash", "x cudnn", "x efficient" are the speedup over that SDPA backend
 (its time / this time: above 1 is faster); their geometric means over T >= --geomean-min-seq are
 printed per dtype.
+
+--cuda-graphs (CUDA only) captures each pass of each implementation into a CUDA graph after a warm-up
+and times the graph's replays: what a model captured with torch.cuda.graph or
+torch.compile(mode="reduce-overhead") pays, without the host's per-call work. A cell whose capture
+failed reads "capture failed" (the error is printed).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ BASELINES = {"flash": "sdpa-flash", "cudnn": "sdpa-cudnn", "efficient": "sdpa-ef
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 NOT_AVAILABLE = "unsupported"  # not "n/a": pandas reads that back as NaN
 SKIPPED = "skipped"
+CAPTURE_FAILED = "capture failed"
 TOUR_ARGS = ["--quick"]
 
 # --quick: a short run that still says something; bigger on a GPU.
@@ -184,13 +190,44 @@ def make_timer(dev: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[
     return cpu_median
 
 
+def captured(run: Callable[[], object], warmups: int = 3) -> Callable[[], None]:
+    """run captured into a CUDA graph, after warm-up calls on a side stream (as torch.cuda.graph asks: lazy
+    initialization, workspaces and autotuning happen there, not in the capture): the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def graphed(timer: Callable[[Callable[[], object]], float]) -> Callable[[Callable[[], object]], float | str]:
+    """--cuda-graphs: a timer of the replays of run's CUDA graph, CAPTURE_FAILED where the capture fails."""
+
+    def time_replays(run: Callable[[], object]) -> float | str:
+        try:
+            replay = captured(run)
+        except RuntimeError as exc:
+            if is_oom(exc):
+                raise
+            console.print(f"[yellow]CUDA graph capture failed: {str(exc)[:300]}[/yellow]")
+            return CAPTURE_FAILED
+        return timer(replay)
+
+    return time_replays
+
+
 def measure(
     fn: Callable[..., torch.Tensor],
     shape: Shape,
     causal: bool,
     passes: list[str],
     dev: torch.device,
-    timer: Callable[[Callable[[], object]], float],
+    timer: Callable[[Callable[[], object]], float | str],
 ) -> dict[str, float | str]:
     """Median ms of each pass, NOT_AVAILABLE if fn refuses this dtype/device, OOM if memory ran out."""
     dtype = DTYPES[shape.dtype]
@@ -365,6 +402,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no cell after this long; the cells left read 'skipped'")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time each pass as the replay of a CUDA graph captured after a warm-up "
+                        "(CUDA only)")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="time every cell this many times, in rounds over all cells (so that a slow "
                         "spell of the host hits every implementation alike), and keep the median")
@@ -373,6 +413,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         f"({', '.join(FEATURES)}; bfloat16 unless --dtypes says otherwise)")
     args = parse_args(parser, argv)
     dev = torch.device(args.device) if args.device else device()
+    if args.cuda_graphs and dev.type != "cuda":
+        parser.error(f"--cuda-graphs captures CUDA graphs and needs a CUDA device, not {dev.type}")
     if args.feature:
         return feature_main(args, dev)
     preset = (QUICK_GPU if dev.type == "cuda" else QUICK_CPU) if args.quick else DEFAULTS
@@ -381,6 +423,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             setattr(args, name, value)
 
     timer = make_timer(dev, args.warmup, args.rep)
+    if args.cuda_graphs:
+        timer = graphed(timer)
     shapes = build_shapes(args)
     cells = [(shape, impl) for shape in shapes for impl in args.impls]
     measured: list[list[dict[str, float | str]]] = [[] for _ in cells]
@@ -414,7 +458,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     print_table(
         df.drop(columns=["causal"]),
         f"attention, {'causal' if args.causal else 'not causal'}, "
-        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}",
+        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}"
+        f"{', CUDA graphs' if args.cuda_graphs else ''}",
     )
     summary = geomean_summary(df, args.passes, args.geomean_min_seq)
     for line in summary:

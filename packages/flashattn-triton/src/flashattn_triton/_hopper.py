@@ -79,23 +79,25 @@ def _rows(t: torch.Tensor, n: int) -> Tiles:
 
 
 def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 block_m: int, block_n: int, stages: int, is_causal: bool, scale: float) -> tuple:
+                 block_m: int, block_n: int, stages: int, is_causal: bool, scale: float) -> dict[str, Any]:
     """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step."""
     rows = block_m // 2
-    return (_rows(q, rows), _rows(k, block_n), _rows(v, block_n), _rows(out, rows), lse, q.shape[2],
-            q.shape[0] * q.shape[1], scale * _gluon().LOG2E, is_causal, stages,
-            FORWARD_CONSUMER_REGISTERS)  # fmt: skip
+    return dict(q_desc=_rows(q, rows), k_desc=_rows(k, block_n), v_desc=_rows(v, block_n),
+                o_desc=_rows(out, rows), L=lse, T=q.shape[2], ZH=q.shape[0] * q.shape[1],
+                qk_scale=scale * _gluon().LOG2E, CAUSAL=is_causal, STAGES=stages,
+                CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS)  # fmt: skip
 
 
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
-                  scale: float) -> tuple:
+                  scale: float) -> dict[str, Any]:
     """attn_bwd's arguments: descriptors over the (Z*H*T, d) views (dq_acc: float32, zeroed) and over L
     and D as (Z*H*T,) vectors."""
     kernels = _gluon()
-    return (_rows(q, block_m), _rows(k, block_n), _rows(v, block_n), _rows(grad_out, block_m),
-            _rows(dk, block_n), _rows(dv, block_n), _rows(dq_acc, block_m),
-            Tiles(lse.view(-1), (block_m,), kernels.tiles), Tiles(delta.view(-1), (block_m,), kernels.tiles),
-            q.shape[2], q.shape[0] * q.shape[1],
-            scale * kernels.LOG2E, scale, is_causal, stages, LOADER_REGISTERS)  # fmt: skip
+    return dict(q_desc=_rows(q, block_m), k_desc=_rows(k, block_n), v_desc=_rows(v, block_n),
+                do_desc=_rows(grad_out, block_m), dk_desc=_rows(dk, block_n), dv_desc=_rows(dv, block_n),
+                dq_desc=_rows(dq_acc, block_m), l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
+                dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), T=q.shape[2],
+                ZH=q.shape[0] * q.shape[1], qk_scale=scale * kernels.LOG2E, scale=scale, CAUSAL=is_causal,
+                STAGES=stages, LOADER_REGS=LOADER_REGISTERS)  # fmt: skip

@@ -642,6 +642,9 @@ def tf32_parts(
     mask = (rows < seqlen) & (cols < head_dim)
     x = tl.load(X + z * stride_xz + h * stride_xh + rows * stride_xt + cols, mask=mask)
     high, low = _split(x, "tf32x3")
+    # An infinite x is its own high part, and x - high would be inf - inf = NaN, which would reach every
+    # row of the products; a low part of 0 keeps the product what a float32 one gives (as SDPA's does).
+    low = tl.where(x == high, 0.0, low)
     parts = Parts + z * stride_pz + h * stride_ph + rows * stride_pt + cols * stride_pd
     tl.store(parts, high, mask=mask)
     tl.store(parts + stride_pp, low, mask=mask)

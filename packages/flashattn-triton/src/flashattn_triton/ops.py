@@ -41,8 +41,8 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention with Hq == Hkv, and the feature kernels (feature_impl) for everything else and for the
-backward under deterministic algorithms.
+causal attention with Hq == Hkv, and the feature kernels (feature_impl, whose backward has no atomics)
+for everything else.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import feature_impl, torch_impl, triton_impl
+from flashattn_triton import _inputs, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -72,14 +72,13 @@ def uses_triton(device: torch.device) -> bool:
         warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
                       RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
-    return device.type == "cpu" and triton_impl.interpret_requested() and _triton_available()
+    return device.type == "cpu" and _inputs.interpret_requested() and _triton_available()
 
 
-def _path(q: Tensor, k: Tensor, options: dict[str, Any], deterministic: bool = False) -> str:
+def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
     (triton_impl's tuned kernels) for plain or top-left causal attention with as many K/V heads as query
-    heads; "features" (feature_impl) for every other problem, and for the backward under deterministic
-    algorithms (the tuned backward may add dQ up with atomics)."""
+    heads; "features" (feature_impl) for every other problem."""
     if not uses_triton(q.device):
         return "torch"
     window_right, offset = options["window_right"], options["diagonal_offset"]
@@ -90,15 +89,13 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any], deterministic: bool = F
         and q.shape[1] == k.shape[1]
         and options["window_left"] == UNBOUNDED
         and (window_right == UNBOUNDED or (window_right == 0 and offset == 0))
-        and options.get("grad_lse") is None
-        and not deterministic
     )
     return "tuned" if plain else "features"
 
 
 def _check_triton_inputs(q: Tensor) -> None:
-    triton_impl.check_device(q)
-    triton_impl.check_head_dim(q)
+    _inputs.check_device(q)
+    _inputs.check_head_dim(q)
 
 
 @torch.library.custom_op("flashattn_triton::attn_fwd", mutates_args=())
@@ -132,11 +129,13 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
-    path = _path(q, k, options, deterministic)
+    path = _path(q, k, options)
     if path == "torch":
         return torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
     if path == "tuned":
-        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale)
+        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
+                                           grad_lse=grad_lse, deterministic=deterministic,
+                                           share_allocation=False)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 

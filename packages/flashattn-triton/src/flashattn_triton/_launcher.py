@@ -1,0 +1,268 @@
+"""Kernel launches: the one module that touches Triton's and torch's private launch internals.
+
+A ``Launcher`` is one kernel with one config and grid, called with the kernel's arguments by name. Its first
+call goes through Triton's JIT, which compiles (or finds) the specialization for its arguments; later calls
+launch that compiled kernel directly, skipping the JIT's per-call binding and specializing of every
+argument (most of a small problem's host time, PERF.md v16). That direct launch goes into Triton's C
+launch function (``CudaLauncher``), encodes host-built descriptors with ``make_tensordesc_arg``, unwraps
+Triton's descriptor wrapper with ``inspect.getclosurevars`` and reads the raw CUDA stream from
+``torch._C``: private interfaces, used only with the Triton version whose launcher the tests check
+(``DIRECT_LAUNCH_TRITON``). With any other version every launch goes through the JIT (a one-time
+warning says so), and so does any launch while a launch hook (a profiler's) is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import operator
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from flashattn_triton._tiles import Tiles
+
+DIRECT_LAUNCH_TRITON = (3, 6)  # the Triton whose C launcher the direct launch calls (tested with 3.6.0)
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton)."""
+    from flashattn_triton import _kernels
+
+    return _kernels
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for the interpreter (decided when they were first imported)."""
+    return type(kernels().attn_fwd).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def out_of_resources() -> type[Exception]:
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources
+
+
+def tensor_descriptor(x4: torch.Tensor, block: tuple[int, ...]) -> Any:
+    """Triton's TensorDescriptor over (Z, H, T, d) x4, moving `block` tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    strides = list(x4.stride())
+    for i in (2, 1, 0):  # a dim of size 1 is never stepped along; give it any valid stride
+        if x4.shape[i] == 1:
+            strides[i] = strides[i + 1] * x4.shape[i + 1]
+    return TensorDescriptor(x4, list(x4.shape), strides, list(block))
+
+
+def tiles(x4: torch.Tensor | None, rows: int, cols: int, host: bool) -> Tiles | torch.Tensor | None:
+    """(rows, cols) tiles of x4 for the host to describe, or x4 itself for the kernels to describe."""
+    return Tiles(x4, (1, 1, rows, cols), tensor_descriptor) if host and x4 is not None else x4
+
+
+def _descriptors(args: tuple) -> list:
+    """args with each Tiles built as its descriptor (for the JIT and its runner)."""
+    return [a.descriptor() if type(a) is Tiles else a for a in args]
+
+
+_stream_buffers: dict[tuple[str, torch.device, int | None], torch.Tensor] = {}
+
+
+def stream_buffer(use: str, numel: int, dtype: torch.dtype, device: torch.device,
+                  stream: int | None) -> torch.Tensor:  # fmt: skip
+    """A buffer kept per (use, device, stream) and grown as needed, for memory that one launch writes and
+    the next reads: an allocation a launch is host time. Sharing it is safe because the launches of one
+    stream run one after another."""
+    key = (use, device, stream)
+    buffer = _stream_buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _stream_buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer
+
+
+def current_stream(device: torch.device) -> int | None:
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
+
+
+def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return stream_buffer("scratch", size, torch.int8, device, stream)
+
+
+def _set_allocator() -> None:
+    """Kernel-built descriptors live in scratch memory that Triton asks the host to allocate. Set on
+    every such call: Triton keeps the allocator in a context variable, and autograd runs the backward
+    in a thread of its own."""
+    import triton
+
+    triton.set_allocator(scratch)
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+class Launcher:
+    """One kernel with one config (num_warps, num_stages, max_registers; None for a kernel without) and
+    grid, called with the kernel's arguments by name. Direct launches are sound only for arguments the JIT
+    would specialize the same way as on the first call: a Launcher belongs to one plan, whose key holds
+    every tensor's shape, strides, dtype and 16-byte alignment (triton_impl._plan)."""
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], config: Any = None):
+        self.kernel = kernel
+        self.grid = (*grid, 1, 1)[:3]
+        self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
+        if config and config.max_registers:
+            self.options["maxnreg"] = config.max_registers
+        # The arguments in the kernel's order, picked from a call's dict in C (a small problem's host time
+        # notices Python loops).
+        self.positional = operator.itemgetter(*inspect.signature(kernel.fn).parameters)
+        self.compiled: Callable[[tuple], None] | None = None
+
+    def __call__(self, args: dict[str, Any]) -> None:
+        positional = self.positional(args)
+        if self.compiled is not None:
+            self.compiled(positional)
+            return
+        _set_allocator()
+        compiled = self.kernel[self.grid](*_descriptors(positional), **self.options)
+        if hasattr(compiled, "function"):  # under the interpreter there is no compiled kernel to keep
+            self.compiled = _direct_launch(compiled, self.grid)
+
+
+class LaunchPair:
+    """Two launches of one plan, the second depending on the first, called with a pair of argument dicts.
+    The split forward (ForwardConfig.kv_splits): attn_fwd's partials, then attn_fwd_combine; the split
+    backward (BackwardConfig.split): attn_bwd for dK/dV, then for dQ (with its own steps)."""
+
+    def __init__(self, first: Launcher, second: Launcher):
+        self.first = first
+        self.second = second
+
+    def __call__(self, args: tuple[dict[str, Any], dict[str, Any]]) -> None:
+        self.first(args[0])
+        self.second(args[1])
+
+
+@functools.cache
+def _direct_launch_supported() -> bool:
+    """Whether this Triton's C launcher is the one the direct launch was written and tested against; warns
+    once where it is not."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    if version != DIRECT_LAUNCH_TRITON:
+        warnings.warn(f"flashattn_triton: Triton {triton.__version__} is not the version its direct kernel "
+                      f"launches were tested with ({'.'.join(map(str, DIRECT_LAUNCH_TRITON))}); every launch "
+                      "goes through Triton's JIT (correct, with more host time a call)",
+                      RuntimeWarning, stacklevel=4)  # fmt: skip
+    return version == DIRECT_LAUNCH_TRITON
+
+
+@functools.cache
+def _runtime_knobs() -> Any:
+    from triton import knobs
+
+    return knobs.runtime  # one object for the process; a hook set later shows up in its attributes
+
+
+def launch_hooked() -> bool:
+    """Whether anyone (a profiler such as Proton) hooked Triton's kernel launches: a HookChain with calls,
+    or a hook set as a plain function. Asked on every direct launch."""
+    runtime = _runtime_knobs()
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
+
+
+class LaunchArgs:
+    """The arguments of one compiled kernel's C launch function, kept by the addresses of the call's tensors
+    and Tiles: tensors as addresses, Tiles as host-built descriptors, encoded as the launcher takes them
+    (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address, shape,
+    strides and dtype and the tile, and a Launcher's plan and config fix all else (every shape, stride and
+    scalar argument, see Launcher), so repeated addresses skip the TensorDescriptors and their encoding
+    (about 10 us of host time each, 4 a forward and 11 a backward)."""
+
+    MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
+
+    def __init__(self, descriptor_layouts: dict[int, Any]):
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        self.encode = make_tensordesc_arg
+        self.descriptor_layouts = descriptor_layouts  # argument position -> the kernel's TMA layout of it
+        self.expanded: dict[tuple, list] = {}
+        # Argument positions of the tensors and of the Tiles, found on the first call: the same in every call
+        # of a Launcher.
+        self.positions: tuple[list[int], list[int]] | None = None
+
+    def __call__(self, args: tuple) -> list:
+        if self.positions is None:
+            self.positions = ([i for i, a in enumerate(args) if isinstance(a, torch.Tensor)],
+                              [i for i, a in enumerate(args) if type(a) is Tiles])  # fmt: skip
+        tensors, tile_args = self.positions
+        key = (*[args[i].data_ptr() for i in tensors], *[args[i].tensor.data_ptr() for i in tile_args])
+        expanded = self.expanded.get(key)
+        if expanded is None:
+            if len(self.expanded) >= self.MAX_ENTRIES:
+                self.expanded.clear()
+            expanded = self.expanded[key] = self.expand(args)
+        return expanded
+
+    def expand(self, args: tuple) -> list:
+        expanded = []
+        for position, a in enumerate(args):
+            layout = self.descriptor_layouts.get(position)
+            if layout is not None:
+                expanded += self.encode(a.descriptor(), layout)
+            else:
+                expanded.append(a.data_ptr() if isinstance(a, torch.Tensor) else a)
+        return expanded
+
+
+def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple], None]:
+    """A launch of compiled `kernel` on `grid`: straight into Triton's C launch function, with tensors
+    passed as addresses and host-built descriptors encoded once (LaunchArgs), where this Triton is the one
+    the direct launch was tested with and no launch hook is set; else through the JIT's own runner.
+    Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
+    for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
+    every tensor: about half of a small problem's host time a pass (PERF.md v16)."""
+    runner = kernel[grid]
+
+    def through_runner(args: tuple) -> None:
+        _set_allocator()  # per call: Triton keeps it per thread, and autograd's backward has its own
+        runner(*_descriptors(args))
+
+    run = kernel.run
+    if not _direct_launch_supported() or type(run).__name__ != "CudaLauncher" or run.profile_scratch_size:
+        return through_runner
+    # Triton wraps its C launch function to encode descriptor arguments on every call; take the function.
+    wrapped = inspect.getclosurevars(run.launch).nonlocals if inspect.isfunction(run.launch) else {}
+    launch = wrapped.get("launcher", run.launch)
+    descriptor_args = sorted(wrapped.get("tensordesc_indices", ()))
+    metadata = wrapped.get("tensordesc_meta") or [None] * len(descriptor_args)
+    if None in metadata:  # not lowered to TMA: Triton's wrapper passes those as pointers, shapes, strides
+        return through_runner
+    launch_args = LaunchArgs(dict(zip(descriptor_args, metadata, strict=True)))
+    function, packed_metadata = kernel.function, kernel.packed_metadata
+    flags = (run.launch_cooperative_grid, run.launch_pdl)
+    scratch_bytes = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
+    alignment, device = run.global_scratch_align, torch.cuda.current_device()
+    raw_stream = torch._C._cuda_getCurrentRawStream
+
+    def direct(args: tuple) -> None:
+        if launch_hooked():
+            through_runner(args)
+            return
+        stream = raw_stream(device)
+        scratch_address = scratch(scratch_bytes, alignment, stream).data_ptr() if scratch_bytes else None
+        launch(*grid, stream, function, *flags, scratch_address, None, packed_metadata, None, None, None,
+               *launch_args(args))  # fmt: skip
+
+    return direct

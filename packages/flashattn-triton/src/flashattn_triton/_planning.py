@@ -1,0 +1,129 @@
+"""Planning: from a problem to the configs its kernels may run with, as a pure function.
+
+``candidates(problem)`` is what the launcher tunes among at run time (triton_impl) and what
+``scripts/tune.py`` times offline; the default (untuned) config is its first. ``Problem.size_key`` names the
+problem's size class: problems of one class share their tuned choice (_tuning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flashattn_triton._configs import (
+    HOPPER_BACKWARD,
+    HOPPER_FORWARD,
+    BackwardConfig,
+    ForwardConfig,
+    backward_candidates,
+    forward_candidates,
+    with_split_key_tiles,
+)
+
+# Problems below this much work (problem_work: T = 32768 at B * H = 1 and d <= 64) are host-bound or
+# close to it: a call's Python and launches take about as long as its kernels. Their backward adds dQ up
+# without atomics (whose float32 sum costs two more tensor ops) and computes D = rowsum(dO * O) in its
+# kernel, saving the preprocess launch; their forward may split its key tiles among programs; the Gluon
+# kernels, tuned for throughput, are left to larger problems.
+SMALL_PROBLEM_WORK = 32768 * 32768 * 64
+
+
+def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:
+    """Query-key pairs times the head dim, counted as at least 64: below it a kernel's time per pair stops
+    falling with d (the softmax's exponentials, each tile's fixed costs; at (1, 32768, 32) the large
+    problems' backward took 0.62 ms, the small problems' 0.99, PERF.md v22)."""
+    return batch_heads * seqlen_q * seqlen_k * max(head_dim, 64)
+
+
+def is_small_problem(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> bool:
+    """Whether a problem takes the small-problem path (its problem_work below SMALL_PROBLEM_WORK)."""
+    return problem_work(batch_heads, seqlen_q, seqlen_k, head_dim) < SMALL_PROBLEM_WORK
+
+
+def size_class(n: int) -> int:
+    """n rounded up to a power of two: problems in one class share their tuned config."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One pass ("fwd" or "bwd") of one attention problem, as far as choosing its kernels goes.
+
+    head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
+    layout (_hopper.supports); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
+    must be bitwise repeatable (no atomic dQ)."""
+
+    pass_name: str
+    batch_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: torch.dtype
+    is_causal: bool
+    precision: str
+    sm_count: int
+    interpret: bool = False
+    hopper: bool = False
+    deterministic: bool = False
+
+    @property
+    def small(self) -> bool:
+        return is_small_problem(self.batch_heads, self.seqlen_q, self.seqlen_k, self.head_dim)
+
+    @property
+    def block_d(self) -> int:
+        return block_d(self.head_dim)
+
+    @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def size_key(self) -> tuple:
+        """What a tuned choice is kept by: everything candidates() reads, lengths and heads by size class."""
+        return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
+                self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
+                self.uses_hopper, self.deterministic)  # fmt: skip
+
+    @property
+    def uses_hopper(self) -> bool:
+        return self.hopper and not self.small and not (self.deterministic and self.pass_name == "bwd")
+
+
+def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
+    """The configs problem's pass may run with, the default first. They depend on the problem through its
+    size_key only (split key tiles are decided by the size class), so one tuned choice serves a class."""
+    table = forward_candidates if problem.pass_name == "fwd" else backward_candidates
+    listed: list = table(problem.block_d, problem.element_size, problem.interpret)
+    seqlen_class = size_class(max(problem.seqlen_q, problem.seqlen_k))
+    if problem.pass_name == "bwd" and (problem.small or problem.deterministic):
+        # Host-bound problems skip the atomic dQ (see SMALL_PROBLEM_WORK); a deterministic backward must.
+        exact = [c for c in listed if not c.atomic_dq]
+        if exact or problem.deterministic:
+            listed = exact or [dataclasses.replace(listed[0], atomic_dq=False)]
+    if problem.pass_name == "fwd" and problem.small and problem.sm_count:
+        listed = with_split_key_tiles(listed, seqlen_class, seqlen_class, size_class(problem.batch_heads),
+                                      problem.sm_count)  # fmt: skip
+    if problem.uses_hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
+        # portable kernel, and the tuner skips a Gluon build that another Triton version refuses
+        listed = listed + (HOPPER_FORWARD if problem.pass_name == "fwd" else HOPPER_BACKWARD)
+    return listed
+
+
+def describe(config: ForwardConfig | BackwardConfig) -> str:
+    """The numbers of a config joined by '/', then its flags, its kv_splits beyond 1 and the dQ launch's own
+    steps and stages by name."""
+    flags = ("hopper", "transposed_grads", "split")
+    dq_steps = ("dq_block_m", "dq_stages")
+    numbers = [x for name, x in dataclasses.asdict(config).items()
+               if name not in (*flags, "kv_splits", *dq_steps) and x is not None]  # fmt: skip
+    named = [name for name in flags if getattr(config, name, False)]
+    splits = getattr(config, "kv_splits", 1)
+    named += [f"kv_splits={splits}"] * (splits > 1)
+    named += [f"{name}={getattr(config, name)}" for name in dq_steps if getattr(config, name, None)]
+    return " ".join(["/".join(str(int(x)) for x in numbers), *named])

@@ -1,0 +1,172 @@
+"""The tuned choice of config for each problem size class: timed once per machine, kept on disk.
+
+A choice is kept in memory for the process and in a JSON file per GPU and software versions under the
+user's cache directory: ``$FLASHATTN_TRITON_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashattn_triton``, else
+``~/.cache/flashattn_triton``, in a subdirectory of the file format's version. So a fresh process reuses
+the choices of earlier ones, and the same choices: timings that differ from process to process no longer
+change which kernels run. ``FLASHATTN_TRITON_AUTOTUNE=0`` turns tuning (and the cache) off: every
+problem runs its default config, the first candidate. Tuning never runs while a CUDA graph is captured
+or torch.compile traces: the default runs there, and the class stays untuned until an ordinary call.
+``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashattn_triton._launcher import out_of_resources
+from flashattn_triton._planning import Problem, describe
+
+FORMAT = 1  # the cache files' layout; a change makes a new subdirectory rather than misread old files
+# Candidates within this fraction of the fastest count as tied, and the first of them (the default order)
+# wins: do_bench's medians of near-equal kernels differ by about this much from process to process.
+TIE = 0.01
+ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and do_bench's measuring time for each, ms
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    """Where the tuned choices live (see the module docstring)."""
+    explicit = os.environ.get("FLASHATTN_TRITON_CACHE_DIR")
+    if explicit:
+        root = Path(explicit).expanduser()
+    else:
+        user_cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = Path(user_cache).expanduser() / "flashattn_triton"
+    return root / f"v{FORMAT}"
+
+
+def tuning_forbidden() -> bool:
+    """Inside a CUDA graph capture (timing would launch into the graph, and sync) or a compile trace."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-").lower()
+
+
+class TuningCache:
+    """Tuned configs by (device, Problem.size_key), in memory and in one file per GPU and versions."""
+
+    def __init__(self) -> None:
+        self.chosen: dict[tuple, Any] = {}
+        self.stored: dict[Path, dict[str, Any]] = {}  # each file's entries, read on first use
+
+    def file(self, device: torch.device) -> Path:
+        import triton
+
+        from flashattn_triton import __version__
+
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        versions = f"torch-{torch.__version__}-triton-{triton.__version__}-flashattn_triton-{__version__}"
+        return cache_dir() / f"{_slug(gpu)}-{_slug(versions)}.json"
+
+    def choose(self, run: Callable[[Any], None], candidates: list, problem: Problem,
+               device: torch.device) -> Any:  # fmt: skip
+        """The config to run `problem` with: the default where tuning is off, forbidden or pointless; else
+        the cached choice of its size class; else the fastest candidate, timed with run(config) and
+        cached."""
+        if len(candidates) == 1 or not autotune_enabled():
+            return candidates[0]
+        key = (device, problem.size_key)
+        config = self.chosen.get(key)
+        if config is not None:
+            return config
+        path = self.file(device)
+        name = "|".join(map(str, problem.size_key))
+        config = self._decode(self._entries(path).get(name), candidates)
+        if config is None:
+            if tuning_forbidden():
+                return candidates[0]
+            times = self._time(run, candidates)
+            if not times:
+                return candidates[0]
+            fastest = min(times.values())
+            config = next(c for c in candidates if c in times and times[c] <= fastest * (1 + TIE))
+            if os.environ.get("FLASHATTN_TRITON_AUTOTUNE_LOG"):
+                timings = ", ".join(f"{describe(c)} {ms:.4f} ms" for c, ms in times.items())
+                print(f"flashattn_triton tuned {name}: {timings} -> {describe(config)}", file=sys.stderr)
+            self._store(path, name, config, times)
+        self.chosen[key] = config
+        return config
+
+    @staticmethod
+    def _time(run: Callable[[Any], None], candidates: list) -> dict[Any, float]:
+        """Each candidate's best median over ROUNDS rounds of all candidates: timed one after another once,
+        the first candidates met a GPU still raising its clocks, and the order decided the choice."""
+        from triton.testing import do_bench
+
+        times: dict[Any, float] = {}
+        failed = set()
+        for _ in range(ROUNDS):
+            for candidate in candidates:
+                if candidate in failed:
+                    continue
+                try:
+                    ms = do_bench(lambda c=candidate: run(c), warmup=1, rep=ROUND_MS, return_mode="median")
+                except Exception as exc:  # too big for this GPU, or a build this Triton refuses: skipped
+                    failed.add(candidate)
+                    times.pop(candidate, None)
+                    if not isinstance(exc, out_of_resources()):  # anything else is a bug to show
+                        warnings.warn(f"flashattn_triton: config {describe(candidate)} failed while tuning, "
+                                      f"skipped: {type(exc).__name__}: {str(exc)[:300]}", RuntimeWarning,
+                                      stacklevel=4)  # fmt: skip
+                    continue
+                times[candidate] = min(ms, times.get(candidate, ms))
+        return times
+
+    @staticmethod
+    def _decode(entry: dict | None, candidates: list) -> Any:
+        """The candidate an entry names, or None (no entry, or one no longer among the candidates)."""
+        if not isinstance(entry, dict):
+            return None
+        return next((c for c in candidates if dataclasses.asdict(c) == entry.get("config")), None)
+
+    def _entries(self, path: Path) -> dict[str, Any]:
+        entries = self.stored.get(path)
+        if entries is None:
+            entries = self.stored[path] = self._read(path)
+        return entries
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any]:
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):  # none yet, unreadable or torn: tune again (and rewrite it)
+            return {}
+        return entries if isinstance(entries, dict) else {}
+
+    def _store(self, path: Path, name: str, config: Any, times: dict[Any, float]) -> None:
+        """Add an entry: re-read the file (other processes may have added theirs), then replace it whole
+        (written to a temporary file beside it and renamed, so no reader sees half a file)."""
+        entry = {"config": dataclasses.asdict(config), "times_ms": {describe(c): t for c, t in times.items()}}
+        entries = {**self._read(path), name: entry}
+        self.stored[path] = entries
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
+                                             delete=False) as file:  # fmt: skip
+                json.dump(entries, file, indent=1, sort_keys=True)
+            os.replace(file.name, path)
+        except OSError as exc:  # a read-only home: the choice still holds for this process
+            warnings.warn(f"flashattn_triton: could not write the tuning cache {path}: {exc}", RuntimeWarning,
+                          stacklevel=4)  # fmt: skip
+
+
+TUNING = TuningCache()

@@ -1,0 +1,166 @@
+"""Planning and the tuning cache on the CPU: candidates as a pure function, choices kept on disk across
+processes, tuning off, and never inside a CUDA graph capture or a compile trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashattn_triton import _planning, _tuning
+from flashattn_triton._configs import ForwardConfig
+from flashattn_triton._planning import Problem, candidates
+
+pytest.importorskip("triton")
+
+CPU = torch.device("cpu")
+CANDIDATES = [ForwardConfig(64, 64, 4, 3), ForwardConfig(64, 128, 4, 3), ForwardConfig(128, 64, 8, 2)]
+PROBLEM = Problem("fwd", 8, 2048, 2048, 64, torch.bfloat16, True, "tf32", 132)
+
+
+class Timings:
+    """A stand-in for TuningCache._time: fixed times per candidate index, and a count of the tunings."""
+
+    def __init__(self, *times: float) -> None:
+        self.times = times
+        self.tunings = 0
+
+    def __call__(self, run, listed):
+        self.tunings += 1
+        return {c: t for c, t in zip(listed, self.times, strict=True)}
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
+    return tmp_path
+
+
+def choose(cache: _tuning.TuningCache, timings: Timings, monkeypatch, problem: Problem = PROBLEM):
+    monkeypatch.setattr(cache, "_time", timings)
+    return cache.choose(lambda config: None, CANDIDATES, problem, CPU)
+
+
+def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert _tuning.cache_dir() == tmp_path / "mine" / f"v{_tuning.FORMAT}"
+    monkeypatch.delenv("FLASHATTN_TRITON_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _tuning.cache_dir() == tmp_path / "xdg" / "flashattn_triton" / f"v{_tuning.FORMAT}"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _tuning.cache_dir() == tmp_path / "home" / ".cache" / "flashattn_triton" / f"v{_tuning.FORMAT}"
+
+
+def test_the_fastest_is_chosen_and_a_fresh_process_reuses_it_without_timing(cache_dir, monkeypatch):
+    first = Timings(3.0, 1.0, 2.0)
+    assert choose(_tuning.TuningCache(), first, monkeypatch) == CANDIDATES[1]
+    (path,) = cache_dir.glob("v*/*.json")
+    entries = json.loads(path.read_text())
+    assert [entry["config"]["block_n"] for entry in entries.values()] == [128]
+    fresh = Timings(1.0, 3.0, 2.0)  # another process would time them otherwise
+    assert choose(_tuning.TuningCache(), fresh, monkeypatch) == CANDIDATES[1]
+    assert fresh.tunings == 0
+
+
+def test_near_ties_go_to_the_earlier_candidate(cache_dir, monkeypatch):
+    """Timings within TIE of the fastest are noise: the default order decides, the same in every process."""
+    assert choose(_tuning.TuningCache(), Timings(1.005, 1.0, 2.0), monkeypatch) == CANDIDATES[0]
+    other = Problem("fwd", 8, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132)
+    assert choose(_tuning.TuningCache(), Timings(1.05, 1.0, 2.0), monkeypatch, other) == CANDIDATES[1]
+
+
+def test_one_choice_serves_a_size_class(cache_dir, monkeypatch):
+    cache = _tuning.TuningCache()
+    timings = Timings(3.0, 1.0, 2.0)
+    choose(cache, timings, monkeypatch)
+    same_class = Problem("fwd", 7, 1500, 1500, 64, torch.bfloat16, True, "tf32", 132)
+    assert choose(cache, timings, monkeypatch, same_class) == CANDIDATES[1] and timings.tunings == 1
+    assert candidates(same_class) == candidates(PROBLEM)
+
+
+def test_tuning_off_runs_the_default_and_writes_nothing(cache_dir, monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")
+    timings = Timings(3.0, 1.0, 2.0)
+    assert choose(_tuning.TuningCache(), timings, monkeypatch) == CANDIDATES[0]
+    assert timings.tunings == 0 and not list(cache_dir.rglob("*.json"))
+
+
+@pytest.mark.parametrize("where", ["cuda-graph-capture", "compile-trace"])
+def test_no_tuning_inside_a_capture_or_a_trace(cache_dir, monkeypatch, where):
+    if where == "cuda-graph-capture":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    else:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    cache = _tuning.TuningCache()
+    timings = Timings(3.0, 1.0, 2.0)
+    assert choose(cache, timings, monkeypatch) == CANDIDATES[0]
+    assert timings.tunings == 0 and not list(cache_dir.rglob("*.json"))
+    monkeypatch.undo()
+    monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(cache_dir))
+    assert choose(cache, timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1  # later, outside
+
+
+def test_entries_of_other_processes_are_kept_and_stale_ones_ignored(cache_dir, monkeypatch):
+    cache = _tuning.TuningCache()
+    path = cache.file(CPU)
+    path.parent.mkdir(parents=True)
+    stale = {"config": {"block_m": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}, "times_ms": {}}
+    name = "|".join(map(str, PROBLEM.size_key))
+    path.write_text(json.dumps({"another|problem": {"config": {}}, name: stale}))
+    assert choose(cache, Timings(3.0, 2.0, 1.0), monkeypatch) == CANDIDATES[2]
+    entries = json.loads(path.read_text())
+    assert set(entries) == {"another|problem", name} and entries[name]["config"]["block_m"] == 128
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_a_torn_file_is_tuned_again_and_rewritten(cache_dir, monkeypatch):
+    cache = _tuning.TuningCache()
+    path: Path = cache.file(CPU)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"half a')
+    assert choose(cache, Timings(3.0, 1.0, 2.0), monkeypatch) == CANDIDATES[1]
+    assert len(json.loads(path.read_text())) == 1
+
+
+def test_deterministic_backward_candidates_have_no_atomics():
+    problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
+    assert any(c.atomic_dq for c in candidates(problem)) and any(c.hopper for c in candidates(problem))
+    exact = dataclasses.replace(problem, deterministic=True)
+    assert candidates(exact) and not any(c.atomic_dq or c.hopper for c in candidates(exact))
+    assert exact.size_key != problem.size_key
+
+
+def test_small_problems_are_offered_split_key_tiles_by_size_class():
+    one_head = Problem("fwd", 1, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
+    assert one_head.small and any(c.kv_splits > 1 for c in candidates(one_head))
+    many_heads = Problem("fwd", 64, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
+    assert not any(c.kv_splits > 1 for c in candidates(many_heads))
+    assert _planning.size_class(4000) == 4096 and _planning.size_class(4096) == 4096
+
+
+def test_candidates_are_timed_in_interleaved_rounds_and_keep_their_best(monkeypatch):
+    """Round after round over every candidate (not one candidate's runs after another's, which let the GPU's
+    clock ramp decide), each keeping its fastest median; one that fails is dropped with a warning."""
+    import triton.testing
+
+    order = []
+    scripted = {0: iter([5.0, 1.0, 1.0]), 1: iter([2.0, 2.0, 2.0])}
+
+    def do_bench(fn, warmup, rep, return_mode):
+        index = fn()
+        order.append(index)
+        if index == 2:
+            raise RuntimeError("this build is broken")
+        return next(scripted[index])
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    with pytest.warns(RuntimeWarning, match="failed while tuning"):
+        times = _tuning.TuningCache._time(CANDIDATES.index, CANDIDATES)
+    assert order == [0, 1, 2] + [0, 1] * (_tuning.ROUNDS - 1)
+    assert times == {CANDIDATES[0]: 1.0, CANDIDATES[1]: 2.0}
