@@ -145,3 +145,29 @@ def test_deterministic_backward_is_bitwise_repeatable():
         torch.use_deterministic_algorithms(False)
     for first, second in zip(*grads, strict=True):
         assert torch.equal(first, second)
+
+
+def test_gqa_without_mask_or_band_runs_the_tuned_kernels_on_stacked_groups(monkeypatch):
+    from flashattn_triton import triton_impl
+
+    def no_feature_kernels(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
+    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    launched = []
+    original = triton_impl.triton_backward
+    monkeypatch.setattr(
+        triton_impl, "triton_backward", lambda *a, **kw: launched.append(1) or original(*a, **kw)
+    )
+    q, k, v, grad_out = qkv(q_heads=6, kv_heads=2)
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*tensors, enable_gqa=True, return_lse=True)
+    grad_lse = torch.randn(lse.shape)
+    torch.autograd.backward([out, lse], [grad_out, grad_lse])
+    assert launched
+    args = op_arguments(q, k, v, enable_gqa=True)
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+    got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
+    for name in NAMES:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)

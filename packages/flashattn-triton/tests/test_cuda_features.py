@@ -133,7 +133,8 @@ def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_o
     q, k, v, _ = qkv(1, 4, 2, 128, 128, 64, torch.bfloat16)
     flash_attention(q, k, v, is_causal=True, enable_gqa=True)
     flash_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
-    assert calls == ["feature_forward", "triton_forward"]
+    flash_attention(q, k, v, enable_gqa=True)  # no mask or band: the groups stacked along T
+    assert calls == ["feature_forward", "triton_forward", "triton_forward"]
 
 
 @pytest.mark.parametrize("enable_gqa", [False, True])
@@ -196,3 +197,14 @@ def test_flash_attention_varlen_on_cuda_equals_each_sequence_alone():
     for start, end in ((0, 100), (100, 103), (103, 360)):
         alone = flash_attention(*(t[start:end].transpose(0, 1) for t in (q, k, v)), is_causal=True)
         torch.testing.assert_close(out[start:end], alone.transpose(0, 1), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_gqa_without_mask_or_band_on_stacked_groups_matches_float64(dtype):
+    """flash_attention's grouped-query attention that the tuned kernels take (groups stacked along T)."""
+    q, k, v, grad_out = qkv(2, 8, 2, 333, 400, 64, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, enable_gqa=True, return_lse=True)
+    out.backward(grad_out)
+    got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
+    assert_close(got, float64_torch_path(op_arguments(q, k, v, enable_gqa=True), grad_out), dtype)

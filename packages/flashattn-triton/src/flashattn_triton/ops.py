@@ -41,8 +41,8 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention with Hq == Hkv, and the feature kernels (feature_impl, whose backward has no atomics)
-for everything else.
+causal attention, and for grouped-query attention without mask or band (its groups stacked along T), and
+the feature kernels (feature_impl, whose backward has no atomics) for everything else.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ def uses_triton(device: torch.device) -> bool:
 def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
     (triton_impl's tuned kernels) for plain or top-left causal attention with as many K/V heads as query
-    heads; "features" (feature_impl) for every other problem."""
+    heads; "stacked" (the tuned kernels too) for grouped-query attention without mask or band, whose
+    group's query heads are rows of one query sequence (_stacked); "features" (feature_impl) for every
+    other problem."""
     if not uses_triton(q.device):
         return "torch"
     window_right, offset = options["window_right"], options["diagonal_offset"]
@@ -86,11 +88,23 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
         options["attn_mask"] is None
         and options["dropout_p"] == 0.0
         and options["cu_seqlens_q"] is None
-        and q.shape[1] == k.shape[1]
         and options["window_left"] == UNBOUNDED
-        and (window_right == UNBOUNDED or (window_right == 0 and offset == 0))
     )
-    return "tuned" if plain else "features"
+    plain_band = window_right == UNBOUNDED or (window_right == 0 and offset == 0)
+    if plain and q.shape[1] == k.shape[1] and plain_band:
+        return "tuned"
+    if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
+        return "stacked"
+    return "features"
+
+
+def _stacked(x: Tensor, kv_heads: int) -> Tensor:
+    """(B, Hq, T, ...) as (B, Hkv, Hq / Hkv * T, ...): each group's query heads one after another along T.
+    Without a mask or band a query row's result does not depend on its position, so the tuned kernels
+    compute grouped-query attention on these against K and V as they are, and their dK, dV sum over the
+    group's rows: over its heads. A view where the strides allow (q's, checked by _path), else a copy."""
+    batch, heads, seqlen, *rest = x.shape
+    return x.reshape(batch, kv_heads, heads // kv_heads * seqlen, *rest)
 
 
 def _check_triton_inputs(q: Tensor) -> None:
@@ -114,6 +128,9 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
         return torch_impl.attention_forward(q, k, v, **options)
     if path == "tuned":
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale)
+    if path == "stacked":
+        out, lse = triton_impl.triton_forward(_stacked(q, k.shape[1]), k, v, False, scale)
+        return out.view(q.shape), lse.view(q.shape[:-1])
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -136,6 +153,15 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False)  # fmt: skip
+    if path == "stacked":
+        kv_heads = k.shape[1]
+        stacked_grad_lse = None if grad_lse is None else _stacked(grad_lse, kv_heads)
+        dq, dk, dv = triton_impl.triton_backward(
+            _stacked(q, kv_heads), k, v, _stacked(out, kv_heads), _stacked(lse, kv_heads),
+            _stacked(grad_out, kv_heads), False, scale, grad_lse=stacked_grad_lse,
+            deterministic=deterministic, share_allocation=False,
+        )  # fmt: skip
+        return dq.view(q.shape), dk, dv
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
