@@ -13,13 +13,17 @@ def test_gqa_feature_writes_ours_and_the_baseline_with_ratios(tmp_path, monkeypa
     (path,) = tmp_path.glob("*/flash-features.csv")
     df, _ = read_results(path)
     rows = df.set_index("impl")
-    assert list(rows.index) == ["flash_attention", "sdpa enable_gqa"]
-    assert float(rows.loc["sdpa enable_gqa", "fwd x baseline"]) == 1.0
-    for which in ("fwd", "bwd"):
-        ours = float(rows.loc["flash_attention", f"{which} ms"])
-        base = float(rows.loc["sdpa enable_gqa", f"{which} ms"])
-        ratio = float(rows.loc["flash_attention", f"{which} x baseline"])
-        assert ours > 0 and abs(ratio - base / ours) < 0.01
+    pairs = ["causal", "not causal"]
+    assert list(rows.index) == [
+        f"{impl} {pair}" for pair in pairs for impl in ("flash_attention", "sdpa enable_gqa")
+    ]
+    for pair in pairs:
+        assert float(rows.loc[f"sdpa enable_gqa {pair}", "fwd x baseline"]) == 1.0
+        for which in ("fwd", "bwd"):
+            ours = float(rows.loc[f"flash_attention {pair}", f"{which} ms"])
+            base = float(rows.loc[f"sdpa enable_gqa {pair}", f"{which} ms"])
+            ratio = float(rows.loc[f"flash_attention {pair}", f"{which} x baseline"])
+            assert ours > 0 and abs(ratio - base / ours) < 0.01
 
 
 def test_window_speedup_reads_full_causal_over_windowed():

@@ -5,7 +5,8 @@ Each feature times flashattn_triton and its baseline on the same inputs, forward
 (triton.testing.do_bench medians on CUDA, wall clock on CPU), and prints the baseline's time over ours
 ("x baseline": above 1 is faster):
 
-  gqa      (B, 32, T, 128) queries over 4 K/V heads (8:1), causal     SDPA with enable_gqa=True
+  gqa      (B, 32, 4096, 128) queries over 4 K/V heads (8:1), causal SDPA with enable_gqa=True (each)
+           and not causal
   window   (1, 16, 16384, 64), causal, a window of 1024 keys          FlexAttention (compiled), sliding-window
                                                                       block mask; and our full causal
   varlen   16 heads of 64, random lengths summing to 16384, causal    FlexAttention (compiled) over the packed
@@ -41,6 +42,7 @@ class Case:
     fn: Callable[[], torch.Tensor]
     inputs: list[torch.Tensor]
     baseline: bool = False
+    pair: str = ""  # compared with the baseline of the same feature and pair
 
 
 def _leaves(*shapes: tuple[int, ...], dev: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -74,16 +76,21 @@ def cases(feature: str, dev: torch.device, dtype: torch.dtype, batch: int) -> li
 
     if feature == "gqa":
         q, k, v = _leaves((batch, 32, GQA_SEQ, 128), *[(batch, 4, GQA_SEQ, 128)] * 2, dev=dev, dtype=dtype)
-        sdpa = _sdpa(None, is_causal=True, enable_gqa=True)
-        return [
-            Case(
-                feature,
-                "flash_attention",
-                lambda: flash_attention(q, k, v, is_causal=True, enable_gqa=True),
-                [q, k, v],
-            ),
-            Case(feature, "sdpa enable_gqa", lambda: sdpa(q, k, v), [q, k, v], baseline=True),
-        ]
+        rows = []
+        for causal in (True, False):
+            pair = "causal" if causal else "not causal"
+            sdpa = _sdpa(None, is_causal=causal, enable_gqa=True)
+            rows += [
+                Case(
+                    feature,
+                    f"flash_attention {pair}",
+                    lambda c=causal: flash_attention(q, k, v, is_causal=c, enable_gqa=True),
+                    [q, k, v],
+                    pair=pair,
+                ),
+                Case(feature, f"sdpa enable_gqa {pair}", lambda f=sdpa: f(q, k, v), [q, k, v], True, pair),
+            ]
+        return rows
     if feature == "window":
         q, k, v = _leaves(*[(1, 16, WINDOW_SEQ, 64)] * 3, dev=dev, dtype=dtype)
         flex = _flex(lambda b, h, i, j: (i >= j) & (i - j <= WINDOW), WINDOW_SEQ, dev)
@@ -178,8 +185,8 @@ def run_features(
     rows = []
     for feature in features:
         timed = [(case, time_case(case, timer)) for case in cases(feature, dev, dtype, batch)]
-        base = next(times for case, times in timed if case.baseline)
         for case, times in timed:
+            base = next(t for c, t in timed if c.baseline and c.pair == case.pair)
             row = {"feature": feature, "impl": case.impl, **{k: round(v, 4) for k, v in times.items()}}
             for which in ("fwd", "bwd"):
                 row[f"{which} x baseline"] = round(base[f"{which} ms"] / times[f"{which} ms"], 3)
