@@ -354,6 +354,7 @@ BAD_INPUTS = [
     ("need enable_gqa=True", lambda: (_qkv(4, 2), {})),
     ("must divide the number of heads in query", lambda: (_qkv(6, 4), {"enable_gqa": True})),
     ("dropout_p must be in \\[0, 1\\)", lambda: (_qkv(), {"dropout_p": 1.0})),
+    ("attn_mask requires grad", lambda: (_qkv(), {"attn_mask": torch.zeros(8, 8, requires_grad=True)})),
     ("dropout_p must be a Python float", lambda: (_qkv(), {"dropout_p": torch.tensor(0.1)})),
     ("enable_gqa must be a bool", lambda: (_qkv(), {"enable_gqa": 1})),
     (

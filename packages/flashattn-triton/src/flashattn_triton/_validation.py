@@ -221,6 +221,11 @@ def _check_mask(mask: object, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
             f"attn_mask.dtype is {mask.dtype}: expected attn_mask dtype to be bool or float (query's dtype "
             f"{q.dtype}, or float32)"
         )
+    if mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "attn_mask requires grad, but flash_attention computes no gradient for the mask; detach it "
+            "(or use scaled_dot_product_attention for a learned bias)"
+        )
     if mask.device != q.device:
         raise ValueError(f"attn_mask is on {mask.device} but query is on {q.device}; use one device")
     target = (*q.shape[:-1], seqlen_k)
