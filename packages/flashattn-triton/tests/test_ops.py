@@ -99,6 +99,16 @@ def test_gradients_through_lse_and_out(check_gradients_through_lse):
     check_gradients_through_lse("cpu")
 
 
+@pytest.mark.parametrize("shape", [(0, 4, 16), (2, 0, 16), (0, 2, 4, 16), (2, 2, 0, 16), (1, 2, 0, 3, 16)])
+def test_empty_inputs_give_empty_outputs_and_gradients(shape):
+    q = torch.randn(shape, requires_grad=True)
+    k, v = (torch.randn((*shape[:-2], 5, 16), requires_grad=True) for _ in range(2))
+    out = flash_attention(q, k, v, is_causal=True)
+    assert out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and not k.grad.any() and not v.grad.any()
+
+
 def test_meta_tensors_in_give_meta_tensors_out():
     q, k, v = (torch.empty(2, 3, 40, 16, device="meta", requires_grad=True) for _ in range(3))
     out, lse = flash_attention(q, k, v, is_causal=True, return_lse=True)

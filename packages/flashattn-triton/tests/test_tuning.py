@@ -164,3 +164,16 @@ def test_candidates_are_timed_in_interleaved_rounds_and_keep_their_best(monkeypa
         times = _tuning.TuningCache._time(CANDIDATES.index, CANDIDATES)
     assert order == [0, 1, 2] + [0, 1] * (_tuning.ROUNDS - 1)
     assert times == {CANDIDATES[0]: 1.0, CANDIDATES[1]: 2.0}
+
+
+def test_an_unwritable_cache_warns_and_the_choice_still_holds(cache_dir, monkeypatch):
+    def replace(source, destination):
+        raise PermissionError("a read-only file system")
+
+    monkeypatch.setattr(_tuning.os, "replace", replace)
+    cache = _tuning.TuningCache()
+    timings = Timings(3.0, 1.0, 2.0)
+    with pytest.warns(RuntimeWarning, match="could not write the tuning cache"):
+        assert choose(cache, timings, monkeypatch) == CANDIDATES[1]
+    assert choose(cache, timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1
+    assert not list(cache_dir.rglob("*.tmp"))

@@ -57,7 +57,7 @@ def check_device(q: torch.Tensor) -> None:
 
 def as_4d(x: torch.Tensor) -> torch.Tensor:
     """(..., T, d) as (Z, H, T, d): a view for 3-D and 4-D tensors of any strides."""
-    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(-1, *x.shape[-3:])
+    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
 
 
 def padded_head_dim(head_dim: int, element_size: int) -> int:

@@ -158,13 +158,17 @@ class TuningCache:
         entry = {"config": dataclasses.asdict(config), "times_ms": {describe(c): t for c, t in times.items()}}
         entries = {**self._read(path), name: entry}
         self.stored[path] = entries
+        temporary = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
                                              delete=False) as file:  # fmt: skip
+                temporary = Path(file.name)
                 json.dump(entries, file, indent=1, sort_keys=True)
-            os.replace(file.name, path)
+            os.replace(temporary, path)
         except OSError as exc:  # a read-only home: the choice still holds for this process
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
             warnings.warn(f"flashattn_triton: could not write the tuning cache {path}: {exc}", RuntimeWarning,
                           stacklevel=4)  # fmt: skip
 

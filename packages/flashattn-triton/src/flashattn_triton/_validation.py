@@ -175,7 +175,7 @@ def _rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
     """(..., H, T, d) as (B, H, T, d), B the product of the leading dims (1 for none): a view where the
     strides allow it."""
-    return x.reshape(-1, *x.shape[-3:]) if x.dim() >= 3 else x
+    return x.reshape(x.shape[:-3].numel(), *x.shape[-3:])  # (not -1: a 0-length dim leaves it undefined)
 
 
 def _check_heads(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -241,7 +241,7 @@ def _check_mask(mask: object, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     lead = mask.shape[:-3]
     if len(lead) > 1 and any(n != 1 for n in lead):  # merging the batch dims needs them whole
         mask = mask.expand(*target[:-3], *mask.shape[-3:])
-    return mask.reshape(-1, *mask.shape[-3:])
+    return mask.reshape(mask.shape[:-3].numel(), *mask.shape[-3:])
 
 
 def op_arguments(

@@ -186,10 +186,10 @@ def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tens
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
     q, k, v, *options = inputs
     out, lse = output
-    # Tensors are saved (for autograd's checks on them), the other options kept as they are.
+    # Tensor options (a mask, the dropout state, cu_seqlens) are saved as tensors are, the others kept.
     ctx.tensor_options = [i for i, o in enumerate(options) if isinstance(o, Tensor)]
     ctx.save_for_backward(q, k, v, out, lse, *(options[i] for i in ctx.tensor_options))
-    ctx.options = options
+    ctx.options = [None if isinstance(o, Tensor) else o for o in options]
     # Unused outputs get no gradient (None) rather than zeros: lse's gradient is None unless used.
     ctx.set_materialize_grads(False)
 

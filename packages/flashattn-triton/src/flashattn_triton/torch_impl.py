@@ -416,7 +416,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
     """(..., T, d) as (B, H, T, d)."""
-    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(-1, *x.shape[-3:])
+    return x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
 
 
 def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
