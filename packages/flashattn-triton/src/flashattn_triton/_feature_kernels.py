@@ -34,12 +34,13 @@ _LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _sequence(cu_seqlens, z, seqlen, VARLEN: tl.constexpr):
-    """(first row, length) of sequence z: packed under VARLEN, else (0, seqlen)."""
+    """(first row, length) of sequence z: packed under VARLEN, else (0, seqlen); the first row an int64
+    tensor either way (a literal 0 would be a constexpr, which has no .to)."""
     if VARLEN:
-        start = tl.load(cu_seqlens + z)
+        start = tl.load(cu_seqlens + z).to(tl.int64)
         length = tl.load(cu_seqlens + z + 1) - start
     else:
-        start = 0
+        start = z.to(tl.int64) * 0
         length = seqlen
     return start, length
 
@@ -86,26 +87,6 @@ def _unmasked_keys(start_m, lo, hi, seqlen_k, offset, left, right, BLOCK_M: tl.c
         full_hi = tl.minimum(tl.maximum(start_m + offset + right + 1, 0) // BLOCK_N * BLOCK_N, full_hi)
     if MASK != 0:
         full_hi = lo  # every tile reads the mask
-    a = tl.minimum(full_lo, hi_up)
-    return a, tl.maximum(a, tl.minimum(full_hi, hi_up))
-
-
-@triton.jit
-def _unmasked_queries(start_n, lo, hi, offset, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK: tl.constexpr):  # fmt: skip
-    """[a, b), tile starts within [lo, hi): the query tiles whose every row sees all of the keys start_n ..
-    start_n + BLOCK_N - 1 (rows and keys past the ends need no mask in the backward: their L reads +inf,
-    their keys are never stored)."""
-    hi_up = tl.cdiv(hi, BLOCK_M) * BLOCK_M
-    full_lo = lo
-    if HAS_RIGHT:  # start_n + BLOCK_N - 1 <= i + offset + right for the tile's first row
-        first = tl.maximum(start_n + BLOCK_N - 1 - offset - right, 0)
-        full_lo = tl.maximum(tl.cdiv(first, BLOCK_M) * BLOCK_M, lo)
-    full_hi = hi_up
-    if HAS_LEFT:  # start_n >= i + offset - left for its last row
-        full_hi = tl.maximum(start_n - offset + left + 1, 0) // BLOCK_M * BLOCK_M
-    if MASK != 0:
-        full_hi = lo
     a = tl.minimum(full_lo, hi_up)
     return a, tl.maximum(a, tl.minimum(full_hi, hi_up))
 
@@ -282,29 +263,22 @@ def _dkdv_tiles(
     seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz, stride_lh, stride_lt, qk_scale,
     offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV of one key tile accumulated over query head h's tiles [lo, hi); masks if MASKED."""
+    """dK and dV of one key tile accumulated over query head h's tiles [lo, hi)."""
     offs_m = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     for start_m in tl.range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         mask_ptrs = mask_base + rows.to(tl.int64)[:, None] * stride_mq
-        if MASKED:
-            visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
-                               HAS_RIGHT, MASK)  # fmt: skip
-            live = _live(visible, MASK)
-        else:
-            live = True
-        if live:
+        visible = _visible(rows, cols, seqlen_q, seqlen_k, offset, left, right, mask_ptrs, HAS_LEFT,
+                           HAS_RIGHT, MASK)  # fmt: skip
+        if _live(visible, MASK):
             in_rows = (rows[:, None] < seqlen_q) & (dims[None, :] < head_dim)
             q = tl.load(_tile_ptrs(q_base, rows, stride_qt, BLOCK_D), mask=in_rows, other=0.0)
             do = tl.load(_tile_ptrs(do_base, rows, stride_dot, BLOCK_D), mask=in_rows, other=0.0)
             lse2, delta = _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh, stride_lt)
-            if MASKED:
-                s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+            s = _scores(q, k, visible, qk_scale, mask_ptrs, MASK, INPUT_PRECISION)
             p = tl.math.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
             if DROPOUT:
@@ -389,27 +363,19 @@ def attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, hi = _query_range(start_n, seqlen_q, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    a, b = _unmasked_queries(start_n, lo, hi, offset, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                             MASK)  # fmt: skip
     for g in range(group):
         h = kv_head * group + g
         q_base = Q + z.to(tl.int64) * stride_qz + h * stride_qh + q_start.to(tl.int64) * stride_qt
         do_base = DO + z.to(tl.int64) * stride_doz + h * stride_doh + q_start.to(tl.int64) * stride_dot
         mask_base = Mask + z.to(tl.int64) * stride_mz + h * stride_mh + cols.to(tl.int64)[None, :] * stride_mk
         counter_base = z.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + cols[None, :]
-        for segment in tl.static_range(3):  # masked, unmasked, masked (as in attn_fwd)
-            if segment == 0:
-                seg_lo, seg_hi = lo, a
-            elif segment == 1:
-                seg_lo, seg_hi = a, b
-            else:
-                seg_lo, seg_hi = b, hi
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, cols,
-                seg_lo, seg_hi, seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz,
-                stride_lh, stride_lt, qk_scale, offset, left, right, threshold, dropout_scale, stride_di,
-                BLOCK_M, BLOCK_D, HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION, segment != 1,
-            )  # fmt: skip
+        # One loop, masked throughout: split like attn_fwd's, the three loops' registers spill (sm_90).
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, cols, lo,
+            hi, seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz, stride_lh,
+            stride_lt, qk_scale, offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M, BLOCK_D,
+            HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION,
+        )  # fmt: skip
     dk_base = DK + z.to(tl.int64) * stride_dkz + kv_head * stride_dkh + k_start.to(tl.int64) * stride_dkt
     dv_base = DV + z.to(tl.int64) * stride_dvz + kv_head * stride_dvh + k_start.to(tl.int64) * stride_dvt
     dk = (dk * scale).to(DK.dtype.element_ty)
