@@ -101,7 +101,7 @@ def device_times(prof: profile, step_ms: float) -> dict[str, float]:
         if event.device_type != torch.autograd.DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
             continue
         name = event.name.lower()
-        kind = ("nccl ms" if "nccl" in name else
+        kind = ("nccl ms" if "nccl" in name or "onerank" in name else  # oneRankReduce: NCCL at one rank
                 "copy ms" if any(k in name for k in ("memcpy", "memset", "copy", "fill")) else "compute ms")
         kinds[kind] += event.time_range.elapsed_us() / 1e3
         intervals.append((event.time_range.start, event.time_range.end))
