@@ -2,7 +2,8 @@
 process, no bytes moved (NCCL on a GPU, gloo on CPU).
 
 Per configuration: the median step time (forward under bf16 autocast on a GPU, backward, AdamW,
-``zero_grad(set_to_none=True)``, as in ``benchmarks.ddp``); the CPU time spent inside minddp's
+``zero_grad(set_to_none=True)``, as in ``benchmarks.ddp``) and the host's time inside
+``loss.backward()`` (it returns once the work is launched); the CPU time spent inside minddp's
 post-accumulate-grad hooks and its end-of-backward callback (wall time on the thread that runs them,
 the autograd device thread on a GPU); and, from ``torch.profiler`` over one more step, the device
 time of NCCL kernels, of copies and fills, and of the rest (compute), and how long the device sat
@@ -42,8 +43,8 @@ from minddp.reducer import Reducer
 CONFIGS = ["single", "naive", "flat", "overlap", "bucketed", "torch"]  # naive..bucketed: minddp's strategies
 
 
-COLUMNS = [
-    "step ms", "hooks ms", "hook us/call", "callback ms", "nccl ms", "copy ms", "compute ms", "idle ms"]
+COLUMNS = ["step ms", "bwd host ms", "hooks ms", "hook us/call", "callback ms",
+           "nccl ms", "copy ms", "compute ms", "idle ms"]
 
 
 class HookClock:
@@ -115,17 +116,20 @@ def device_times(prof: profile, step_ms: float) -> dict[str, float]:
 
 
 def train_step(ddp: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
-               targets: torch.Tensor) -> float:
-    """One training step as ``benchmarks.ddp`` runs it; its wall time in ms, the device synchronized."""
+               targets: torch.Tensor) -> tuple[float, float]:
+    """One training step as ``benchmarks.ddp`` runs it: its wall time in ms, the device synchronized,
+    and how long the host spent inside ``loss.backward()`` (launching, not waiting for, the work)."""
     synchronize(tokens.device)
     start = time.perf_counter()
     with (torch.autocast("cuda", dtype=torch.bfloat16) if tokens.is_cuda else contextlib.nullcontext()):
         loss = F.cross_entropy(ddp(tokens).flatten(0, 1).float(), targets.flatten())
+    backward_start = time.perf_counter()
     loss.backward()
+    backward_end = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     synchronize(tokens.device)
-    return (time.perf_counter() - start) * 1e3
+    return (time.perf_counter() - start) * 1e3, (backward_end - backward_start) * 1e3
 
 
 def measure(config: str, args: argparse.Namespace, device: torch.device,
@@ -143,13 +147,14 @@ def measure(config: str, args: argparse.Namespace, device: torch.device,
         train_step(ddp, optimizer, tokens, targets)
     clock.reset()
     times = [train_step(ddp, optimizer, tokens, targets) for tokens, targets in batches[args.warmup:-1]]
-    row = {"step ms": statistics.median(times),
+    row = {"step ms": statistics.median(step for step, _ in times),
+           "bwd host ms": statistics.median(backward for _, backward in times),
            "hooks ms": clock.seconds["hooks"] * 1e3 / args.steps,
            "hook us/call": clock.seconds["hooks"] * 1e6 / max(1, clock.calls["hooks"]),
            "callback ms": clock.seconds["callback"] * 1e3 / args.steps}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        profiled_ms = train_step(ddp, optimizer, *batches[-1])
+        profiled_ms, _ = train_step(ddp, optimizer, *batches[-1])
     if device.type == "cuda":
         row.update(device_times(prof, profiled_ms))
     if args.trace:
