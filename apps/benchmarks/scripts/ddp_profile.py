@@ -7,8 +7,10 @@ Per configuration: the median step time (forward under bf16 autocast on a GPU, b
 post-accumulate-grad hooks and its end-of-backward callback (wall time on the thread that runs them,
 the autograd device thread on a GPU); and, from ``torch.profiler`` over one more step, the device
 time of NCCL kernels, of copies and fills, and of the rest (compute), and how long the device sat
-idle within the step. An overhead that shows up as idle time is host time (the launching thread fell
-behind); one that shows up as kernel time is device work.
+idle within the step; and how many host-device synchronizations torch flags in one more step
+(compare with the bare model's count). An overhead that shows up as idle time is host time (the
+launching thread fell behind, or waited for the device); one that shows up as kernel time is device
+work.
 
     export PYTHONPATH=packages/flashattn-triton/src:packages/minddp/src:packages/shardopt/src
     export PYTHONPATH=$PYTHONPATH:packages/profkit/src:apps/benchmarks/src
@@ -44,7 +46,7 @@ CONFIGS = ["single", "naive", "flat", "overlap", "bucketed", "torch"]  # naive..
 
 
 COLUMNS = ["step ms", "bwd host ms", "hooks ms", "hook us/call", "callback ms",
-           "nccl ms", "copy ms", "compute ms", "idle ms"]
+           "nccl ms", "copy ms", "compute ms", "idle ms", "syncs"]
 
 
 class HookClock:
@@ -157,10 +159,25 @@ def measure(config: str, args: argparse.Namespace, device: torch.device,
         profiled_ms, _ = train_step(ddp, optimizer, *batches[-1])
     if device.type == "cuda":
         row.update(device_times(prof, profiled_ms))
+        row["syncs"] = float(synchronizing_calls(lambda: train_step(ddp, optimizer, *batches[-1])))
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         prof.export_chrome_trace(os.path.join(args.trace, f"ddp_{config}_{args.size}.json"))
     return row
+
+
+def synchronizing_calls(step: Callable[[], Any]) -> int:
+    """How many calls that block the host until the device catches up torch flags in ``step``
+    (``torch.cuda.set_sync_debug_mode``: ``.item()``, ``.tolist()``, blocking copies and the like;
+    waits inside NCCL or the driver are not seen)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def synchronize(device: torch.device) -> None:
