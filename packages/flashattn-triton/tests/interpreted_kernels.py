@@ -200,8 +200,8 @@ def test_flash_attention_runs_the_triton_kernels_on_cpu_under_the_interpreter(pr
     def no_torch_path(*args, **kwargs):
         raise AssertionError("the PyTorch path ran under the interpreter")
 
-    monkeypatch.setattr(ops, "torch_forward", no_torch_path)
-    monkeypatch.setattr(ops, "torch_backward", no_torch_path)
+    monkeypatch.setattr(ops.torch_impl, "attention_forward", no_torch_path)
+    monkeypatch.setattr(ops.torch_impl, "attention_backward", no_torch_path)
     p = problem((2,), 20, 20, 16, torch.float32, True, scale=0.5)
     q, k, v = p.inputs()
     out = flash_attention(q, k, v, is_causal=True, scale=0.5)

@@ -111,8 +111,8 @@ def test_flash_attention_runs_triton_on_cuda(problem, monkeypatch):
     def no_torch_path(*args, **kwargs):
         raise AssertionError("the PyTorch path ran on CUDA")
 
-    monkeypatch.setattr(ops, "torch_forward", no_torch_path)
-    monkeypatch.setattr(ops, "torch_backward", no_torch_path)
+    monkeypatch.setattr(ops.torch_impl, "attention_forward", no_torch_path)
+    monkeypatch.setattr(ops.torch_impl, "attention_backward", no_torch_path)
     p = problem((2, 4), 257, 257, 64, torch.bfloat16, True, device="cuda")
     q, k, v = p.inputs()
     out = flash_attention(q, k, v, is_causal=True)
@@ -150,13 +150,13 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     step = _CompiledOnCuda(_backward_key_tile)
-    x = torch.randn(1, 4, 16, device="cuda")
-    lse, delta = torch.zeros(1, 4, device="cuda"), torch.zeros(1, 4, device="cuda")
+    x = torch.randn(1, 1, 1, 4, 16, device="cuda")  # (B, Hkv, group, T, d)
+    lse, delta = torch.zeros(1, 1, 1, 4, device="cuda"), torch.zeros(1, 1, 1, 4, device="cuda")
     with pytest.warns(RuntimeWarning, match="no compiler here"):
-        first = step(x, x, x, x, x, x, lse, delta, 0.25, 0, 0, True)
+        first = step(x, x, x, x, x, x, lse, delta, 0.25, None, None, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        second = step(x, x, x, x, x, x, lse, delta, 0.25, 0, 0, True)
+        second = step(x, x, x, x, x, x, lse, delta, 0.25, None, None, None)
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b)
 

@@ -64,24 +64,39 @@ def test_return_lse():
     torch.testing.assert_close(lse, reference_logsumexp(q, k, is_causal=True))
 
 
-@pytest.mark.parametrize(
-    ("change", "name"),
-    [
-        ({3: torch.ones(5, 5, dtype=torch.bool)}, "attn_mask"),
-        ({4: 0.1}, "dropout_p"),
-        ({7: 8}, "window_size"),
-        ({9: 2}, "causal_lower_right"),
-    ],
-)
-def test_unimplemented_arguments_are_named(change, name):
-    q = torch.randn(1, 2, 5, 16)
-    args = list(forward_args(q, q, q, True))
-    for position, value in change.items():
+FEATURES = {  # attn_fwd's arguments that differ from forward_args', by position
+    "mask": {3: torch.rand(1, 1, 5, 7) > 0.3},
+    "float-mask": {3: torch.randn(5, 7)},
+    "dropout": {4: 0.2, 5: torch.tensor([11, 0])},
+    "window": {7: 2, 8: 1},
+    "causal-lower-right": {9: 2},
+    "gqa": {1: torch.randn(1, 1, 7, 16), 2: torch.randn(1, 1, 7, 16)},
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_opcheck_with_each_feature(feature):
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 7, 16)
+    args = list(forward_args(q, k, k.clone(), True))
+    for position, value in FEATURES[feature].items():
         args[position] = value
-    with pytest.raises(NotImplementedError, match=name):
-        ops.attn_fwd(*args)
-    with pytest.raises(NotImplementedError, match=name):  # the fake implementation: at trace time
-        ops.attn_fwd(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    torch.library.opcheck(ops.attn_fwd, args)
+    out, lse = ops.attn_fwd(*args)
+    backward_args = (torch.randn_like(out), torch.randn_like(lse), *args[:3], out, lse, *args[3:], True)
+    torch.library.opcheck(ops.attn_bwd, backward_args)
+
+
+def test_opcheck_packed_sequences():
+    cu_seqlens_q, cu_seqlens_k = (
+        torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([0, 4, 6], dtype=torch.int32),
+    )
+    q, k, v = torch.randn(8, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    args = (q, k, v, None, 0.0, None, 0.25, UNBOUNDED, 0, 0, cu_seqlens_q, cu_seqlens_k, 5, 4)
+    torch.library.opcheck(ops.attn_fwd, args)
+    out, lse = ops.attn_fwd(*args)
+    assert out.shape == q.shape and lse.shape == (8, 4)
+    torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *args[3:], False))
 
 
 def test_gradients_through_lse_and_out(check_gradients_through_lse):

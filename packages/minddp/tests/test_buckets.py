@@ -84,3 +84,25 @@ def test_overlapped_strategies_launch_during_backward_the_others_after(single_ra
     ddp(torch.randn(3, 4)).sum().backward()
     assert (seen_before_first_layer[0] > 0) == during_backward
     assert len(launched) == len(ddp.bucket_names)  # all of them by the time backward returns
+
+
+
+@pytest.mark.parametrize("strategy", ["naive", "bucketed"])
+def test_one_rank_sums_even_where_the_backend_averages(single_rank_group, monkeypatch, strategy):
+    # On NCCL, which averages in the collective, a one-rank AVG still runs a scaling kernel over each
+    # bucket; a SUM over one rank is the average already, and NCCL launches nothing for it.
+    ops: list[dist.ReduceOp] = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=dist.ReduceOp.SUM, **kw: ops.append(op) or
+                        all_reduce(tensor, op=op, **kw))
+    torch.manual_seed(0)
+    reference, model = mlp(), mlp()
+    model.load_state_dict(reference.state_dict())
+    ddp = make_ddp(strategy, model)
+    ddp._reducer.average_in_collective = True  # as on NCCL
+    inputs = torch.randn(3, 4)
+    ddp(inputs).sum().backward()
+    reference(inputs).sum().backward()
+    assert ops and all(op == dist.ReduceOp.SUM for op in ops)
+    for theirs, ours in zip(reference.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours.grad, theirs.grad)

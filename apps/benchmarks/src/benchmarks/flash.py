@@ -58,6 +58,7 @@ from benchmarks.common import (
     save_results,
     str_list,
 )
+from benchmarks.flash_features import FEATURES, run_features, window_speedup
 
 IMPLS = ["triton", "torch", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
@@ -377,6 +378,19 @@ def build_shapes(args) -> list[Shape]:
     return list(dict.fromkeys(shapes))
 
 
+def feature_main(args, dev: torch.device) -> pd.DataFrame:
+    """--feature: each feature against its baseline (benchmarks.flash_features), one table."""
+    dtype = DTYPES[(args.dtypes or ["bfloat16"])[0]]
+    df = run_features(args.feature, dev, dtype, args.batch, make_timer(dev, args.warmup, args.rep))
+    print_table(df, f"flash_attention features, {dtype}, "
+                    f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")  # fmt: skip
+    speedup = window_speedup(df)
+    if speedup:
+        console.print(speedup)
+    save_results(df, f"{args.name}-features", args, {"window vs full causal": speedup} if speedup else None)
+    return df
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = make_parser("flash", __doc__)
     parser.add_argument(
@@ -431,10 +445,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="time every cell this many times, in rounds over all cells (so that a slow "
                         "spell of the host hits every implementation alike), and keep the median")
+    parser.add_argument("--feature", type=str_list(FEATURES), default=None,
+                        help=f"time flash_attention's features against PyTorch's best instead of the sweep "
+                        f"({', '.join(FEATURES)}; bfloat16 unless --dtypes says otherwise)")
     args = parse_args(parser, argv)
     dev = torch.device(args.device) if args.device else device()
     if args.cuda_graphs and dev.type != "cuda":
         parser.error(f"--cuda-graphs captures CUDA graphs and needs a CUDA device, not {dev.type}")
+    if args.feature:
+        return feature_main(args, dev)
     preset = (QUICK_GPU if dev.type == "cuda" else QUICK_CPU) if args.quick else DEFAULTS
     for name, value in preset.items():
         if getattr(args, name) is None:

@@ -1,15 +1,16 @@
 """FlashAttention-2 forward and backward in PyTorch and Triton, a drop-in for scaled_dot_product_attention."""
 
-from flashattn_triton.functional import flash_attention
+from flashattn_triton.functional import flash_attention, flash_attention_varlen
 from flashattn_triton.reference import reference_attention, reference_logsumexp
 from flashattn_triton.torch_impl import FlashAttentionTorch
 from flashattn_triton.triton_impl import FlashAttentionTriton
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "FlashAttentionTorch",
     "FlashAttentionTriton",
     "flash_attention",
+    "flash_attention_varlen",
     "reference_attention",
     "reference_logsumexp",
     "__version__",

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 
 from flashattn_triton import ops
-from flashattn_triton._validation import op_arguments
+from flashattn_triton._validation import op_arguments, varlen_op_arguments
 from flashattn_triton.ops import uses_triton
 
-__all__ = ["flash_attention", "uses_triton"]
+__all__ = ["flash_attention", "flash_attention_varlen", "uses_triton"]
 
 
 def _autocast_available(device_type: str) -> bool:
@@ -57,6 +57,43 @@ def flash_attention(
             return flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    window_size=window_size, return_lse=return_lse)  # fmt: skip
     args = op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size)
-    out, lse = ops.attn_fwd(*args, None, None, 0, 0)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    out, lse = ops.attn_fwd(*args)
     out = out.view(query.shape)
     return (out, lse.view(query.shape[:-1])) if return_lse else out
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    window_size: tuple[int, int] | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention over packed sequences of different lengths, in flash-attn's layout: q (total_q, Hq, d),
+    k and v (total_k, Hkv, d), sequence b being rows cu_seqlens[b]:cu_seqlens[b + 1] (cu_seqlens_q/_k:
+    int32, (batch + 1,), cumulative lengths from 0; max_seqlen_q/_k: the longest). Returns (total_q, Hq,
+    d), each sequence's rows equal to flash_attention of that sequence alone (is_causal and window_size
+    aligned top-left within it). Through the same custom ops as flash_attention, with no padding."""
+    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                   for t in (q, k, v))  # fmt: skip
+        with torch.autocast(device_type, enabled=False):
+            return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                          window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
+    args = varlen_op_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               is_causal, scale, window_size, enable_gqa)  # fmt: skip
+    out, _ = ops.attn_fwd(*args)
+    return out

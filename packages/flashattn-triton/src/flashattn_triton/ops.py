@@ -39,8 +39,10 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
 for callers who use it. ``deterministic``: bitwise repeatable gradients (no atomics), set from
 ``torch.are_deterministic_algorithms_enabled()``.
 
-An argument that an implementation does not support yet raises NotImplementedError naming it, from the
-fake implementation too, so that ``torch.compile`` reports it while tracing.
+Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
+missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
+causal attention, and for grouped-query attention without mask or band (its groups stacked along T), and
+the feature kernels (feature_impl, whose backward has no atomics) for everything else.
 """
 
 from __future__ import annotations
@@ -53,8 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, triton_impl
-from flashattn_triton.torch_impl import torch_backward, torch_forward
+from flashattn_triton import _inputs, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -91,36 +92,63 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _inputs.interpret_requested() and _triton_available()
 
 
-def _is_causal(q: Tensor, k: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
-               window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
-               cu_seqlens_k: Tensor | None) -> bool:  # fmt: skip
-    """The implementations' is_causal for the arguments they support; NotImplementedError, naming the
-    argument, for the others (issue 20 fills these in)."""
-    unsupported = [
-        ("attn_mask", attn_mask is not None),
-        ("dropout_p", dropout_p != 0.0 or rng_state is not None),
-        ("enable_gqa (Hq != Hkv)", q.dim() == 4 and q.shape[1] != k.shape[1]),
-        ("window_size", window_left != UNBOUNDED or window_right not in (UNBOUNDED, 0)),
-        ("causal_lower_right (diagonal_offset != 0)", window_right == 0 and diagonal_offset != 0),
-        ("cu_seqlens_q/cu_seqlens_k (packed sequences)", not (cu_seqlens_q is cu_seqlens_k is None)),
-    ]
-    for name, present in unsupported:
-        if present:
-            raise NotImplementedError(f"flashattn_triton: {name} is not implemented yet")
-    return window_right == 0
+def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
+    """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
+    (triton_impl's tuned kernels) for plain or top-left causal attention with as many K/V heads as query
+    heads; "stacked" (the tuned kernels too) for grouped-query attention without mask or band, whose
+    group's query heads are rows of one query sequence (_stacked); "features" (feature_impl) for every
+    other problem."""
+    if not uses_triton(q.device):
+        return "torch"
+    window_right, offset = options["window_right"], options["diagonal_offset"]
+    plain = (
+        options["attn_mask"] is None
+        and options["dropout_p"] == 0.0
+        and options["cu_seqlens_q"] is None
+        and options["window_left"] == UNBOUNDED
+    )
+    plain_band = window_right == UNBOUNDED or (window_right == 0 and offset == 0)
+    if plain and q.shape[1] == k.shape[1] and plain_band:
+        return "tuned"
+    if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
+        return "stacked"
+    return "features"
+
+
+def _stacked(x: Tensor, kv_heads: int) -> Tensor:
+    """(B, Hq, T, ...) as (B, Hkv, Hq / Hkv * T, ...): each group's query heads one after another along T.
+    Without a mask or band a query row's result does not depend on its position, so the tuned kernels
+    compute grouped-query attention on these against K and V as they are, and their dK, dV sum over the
+    group's rows: over its heads. A view where the strides allow (q's, checked by _path), else a copy."""
+    batch, heads, seqlen, *rest = x.shape
+    return x.reshape(batch, kv_heads, heads // kv_heads * seqlen, *rest)
+
+
+def _check_triton_inputs(q: Tensor) -> None:
+    _inputs.check_device(q)
+    _inputs.check_head_dim(q)
 
 
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
              rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
              diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
              max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out, lse) of attention, as the module docstring says: the Triton kernels where uses_triton, else
-    the PyTorch path."""
-    is_causal = _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right,
-                           diagonal_offset, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
-    if uses_triton(q.device):
-        return triton_impl.triton_forward(q, k, v, is_causal, scale)
-    return torch_forward(q, k, v, is_causal, scale)
+    """(out, lse) of attention, as the module docstring says: the Triton kernels where uses_triton (the tuned
+    ones where they apply, else the feature kernels), else the PyTorch path."""
+    options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
+               "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k}  # fmt: skip
+    path = _path(q, k, options)
+    if path == "torch":
+        return torch_impl.attention_forward(q, k, v, **options)
+    if path == "tuned":
+        return triton_impl.triton_forward(q, k, v, window_right == 0, scale)
+    if path == "stacked":
+        out, lse = triton_impl.triton_forward(_stacked(q, k.shape[1]), k, v, False, scale)
+        return out.view(q.shape), lse.view(q.shape[:-1])
+    _check_triton_inputs(q)
+    return feature_impl.feature_forward(q, k, v, **options)
 
 
 def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -129,20 +157,34 @@ def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v:
              cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
              deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of attention, as the module docstring says."""
-    is_causal = _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right,
-                           diagonal_offset, cu_seqlens_q, cu_seqlens_k)  # fmt: skip
-    if uses_triton(q.device):
-        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse,
-                                           deterministic=deterministic, share_allocation=False)  # fmt: skip
-    return torch_backward(q, k, v, out, lse, grad_out, is_causal, scale, grad_lse=grad_lse)
+    options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
+               "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
+               "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+               "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
+    path = _path(q, k, options)
+    if path == "torch":
+        return torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+    if path == "tuned":
+        return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
+                                           grad_lse=grad_lse, deterministic=deterministic,
+                                           share_allocation=False)  # fmt: skip
+    if path == "stacked":
+        kv_heads = k.shape[1]
+        stacked_grad_lse = None if grad_lse is None else _stacked(grad_lse, kv_heads)
+        dq, dk, dv = triton_impl.triton_backward(
+            _stacked(q, kv_heads), k, v, _stacked(out, kv_heads), _stacked(lse, kv_heads),
+            _stacked(grad_out, kv_heads), False, scale, grad_lse=stacked_grad_lse,
+            deterministic=deterministic, share_allocation=False,
+        )  # fmt: skip
+        return dq.view(q.shape), dk, dv
+    _check_triton_inputs(q)
+    return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
 
 def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                    rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
                    diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                    max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right, diagonal_offset,
-               cu_seqlens_q, cu_seqlens_k)  # fmt: skip
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -151,8 +193,6 @@ def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tens
                    scale: float, window_left: int, window_right: int, diagonal_offset: int,
                    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
                    max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    _is_causal(q, k, attn_mask, dropout_p, rng_state, window_left, window_right, diagonal_offset,
-               cu_seqlens_q, cu_seqlens_k)  # fmt: skip
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -1,13 +1,19 @@
-"""FlashAttention-2 in plain PyTorch: the reference tiled algorithm, on any device.
+"""FlashAttention-2 in plain PyTorch, every feature of flash_attention on any device: the reference
+semantics that the kernels match.
 
-Forward: the queries are cut into tiles of TILE_Q rows and the keys into tiles of TILE_K; for each key
-tile, every query tile that can see it (all of them, or under causal masking those at or below the
-diagonal) updates its running max, running sum and output accumulator, all in float32. The query
-tiles are a batch dimension rather than a Python loop, which is what a GPU does with them anyway;
-no more than Tq x TILE_K scores exist at a time, never Tq x Tk.
+The problem (see _validation): q (B, Hq, Tq, d), k and v (B, Hkv, Tk, d); query head h reads K/V head
+h // G with G = Hq // Hkv (q is viewed as (B, Hkv, G, Tq, d), K and V broadcast over G: never repeated);
+an optional bool or float mask broadcastable to (B, Hq, Tq, Tk); a band (query i sees key j iff
+i + offset - left <= j <= i + offset + right, -1 unbounded); dropout from a counter-based generator
+(_dropout), its mask regenerated tile by tile in the backward.
 
-Backward: one pass over the key tiles; P is recomputed from L, D = rowsum(dO * O), and dQ is
-accumulated in float32.
+Forward: one pass over the key tiles of TILE_K keys; for each, the query rows that the band lets see it
+update their running max, running sum and output accumulator, all in float32. No more than Tq x TILE_K
+scores a head exist at a time, never Tq x Tk. A row that sees no key gets O = 0 and L = -inf.
+
+Backward: one pass over the key tiles; P is recomputed from L, D = rowsum(dO * O) (dropout included:
+rowsum(dO * O) is still rowsum(P * dP)), dQ is accumulated in float32, and each key tile's dK, dV are
+summed over the query heads of its group.
 
 Precision: the products that feed an exponential or a difference (the scores Q K^T and dP = dO V^T)
 are taken in float32, as the kernels' float32 accumulators keep them; P V, dS K, dS^T Q and P^T dO take
@@ -21,69 +27,189 @@ for any reason the step falls back to eager once, with a warning, and stays eage
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from flashattn_triton._autograd import AttentionFunction
-from flashattn_triton._validation import check_inputs
+from flashattn_triton._dropout import Dropout
+from flashattn_triton._validation import UNBOUNDED, Band, check_inputs
 
-TILE_Q = 64
 TILE_K = 64
 
 
-def torch_forward(
+class _Problem:
+    """One call's tensors in the grouped layout, and what each key tile needs: the query rows that may
+    see it, and its band, mask and dropout tiles."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, band: Band,
+                 dropout: Dropout | None) -> None:  # fmt: skip
+        batch, self.heads, self.seqlen_q, head_dim = q.shape
+        self.kv_heads, self.seqlen_k = k.shape[1], k.shape[2]
+        self.group = self.heads // self.kv_heads if self.kv_heads else 1
+        self.grouped = (batch, self.kv_heads, self.group)
+        self.band = band
+        self.device = q.device
+        self.dropout = dropout
+        self.mask = None if attn_mask is None else self._grouped_mask(attn_mask)
+
+    def grouped_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Hq, Tq, ...) as (B, Hkv, G, Tq, ...): a view."""
+        return x.view(*self.grouped, *x.shape[2:])
+
+    def grouped_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, Tk, d) as (B, Hkv, 1, Tk, d), broadcast over the group."""
+        return x.unsqueeze(2)
+
+    def _grouped_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The mask (4 dims or fewer) as 5 dims broadcastable to (B, Hkv, G, Tq, Tk), size-1 dims kept."""
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        if mask.shape[1] == 1:
+            return mask.unsqueeze(1)
+        return mask.view(mask.shape[0], self.kv_heads, self.group, *mask.shape[2:])
+
+    def rows(self, start: int, stop: int) -> range:
+        """The query rows that may see some key of [start, stop) within the band."""
+        band = self.band
+        first, last = 0, self.seqlen_q
+        if band.window_right != UNBOUNDED:  # j <= i + offset + right
+            first = max(first, start - band.diagonal_offset - band.window_right)
+        if band.window_left != UNBOUNDED:  # j >= i + offset - left
+            last = min(last, stop - 1 - band.diagonal_offset + band.window_left + 1)
+        return range(first, max(first, last))
+
+    def visible(self, rows: range, cols: range) -> torch.Tensor | None:
+        """Which of the tile's scores the band and a bool mask keep (broadcastable to (B, Hkv, G, R, C)),
+        or None where they keep all."""
+        band, device = self.band, self.device
+        keep = None
+        if band.bounded:
+            i = torch.arange(rows.start, rows.stop, device=device).view(-1, 1) + band.diagonal_offset
+            j = torch.arange(cols.start, cols.stop, device=device)
+            keep = torch.ones(len(rows), len(cols), dtype=torch.bool, device=device)
+            if band.window_right != UNBOUNDED:
+                keep &= j <= i + band.window_right
+            if band.window_left != UNBOUNDED:
+                keep &= j >= i - band.window_left
+        if self.mask is not None and self.mask.dtype == torch.bool:
+            tile = self._mask_tile(rows, cols)
+            keep = tile if keep is None else keep & tile
+        return keep
+
+    def bias(self, rows: range, cols: range) -> torch.Tensor | None:
+        """The float mask's tile in float32, broadcastable to (B, Hkv, G, R, C), or None."""
+        if self.mask is None or self.mask.dtype == torch.bool:
+            return None
+        return self._mask_tile(rows, cols).to(torch.float32)
+
+    def _mask_tile(self, rows: range, cols: range) -> torch.Tensor:
+        mask = self.mask
+        if mask.shape[-2] != 1:
+            mask = mask[..., rows.start : rows.stop, :]
+        if mask.shape[-1] != 1:
+            mask = mask[..., cols.start : cols.stop]
+        return mask
+
+    def dropout_scale(self, rows: range, cols: range) -> torch.Tensor | None:
+        """1 / (1 - p) where kept, 0 where dropped, (B, Hkv, G, R, C) float32; None without dropout."""
+        if self.dropout is None:
+            return None
+        tile = self.dropout.scale_tile(self.grouped[0], self.heads, rows, cols)
+        return self.grouped_queries(tile)
+
+    def key_tiles(self, tile_k: int) -> list[tuple[range, range]]:
+        """(query rows, keys) of every key tile that some row sees."""
+        tiles = []
+        for start in range(0, self.seqlen_k, tile_k):
+            cols = range(start, min(start + tile_k, self.seqlen_k))
+            rows = self.rows(cols.start, cols.stop)
+            if len(rows):
+                tiles.append((rows, cols))
+        return tiles
+
+
+def _check_rng(dropout_p: float, rng_state: torch.Tensor | None) -> None:
+    if dropout_p > 0.0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state, the (seed, offset) of _dropout.draw_rng")
+
+
+def _dropout(dropout_p: float, rng_state: torch.Tensor | None, q: torch.Tensor,
+             seqlen_k: int) -> Dropout | None:  # fmt: skip
+    if dropout_p == 0.0:
+        return None
+    _check_rng(dropout_p, rng_state)
+    _, heads, seqlen_q, _ = q.shape
+    return Dropout.dense(dropout_p, rng_state, heads, seqlen_q, seqlen_k)
+
+
+def attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
     scale: float,
-    tile_q: int = TILE_Q,
+    window_left: int = UNBOUNDED,
+    window_right: int = UNBOUNDED,
+    diagonal_offset: int = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
     tile_k: int = TILE_K,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, L): O like q, L = logsumexp of the scaled scores, float32 of shape q.shape[:-1]."""
-    *lead, seqlen_q, head_dim = q.shape
-    seqlen_k = k.shape[-2]
-    num_tiles = math.ceil(seqlen_q / tile_q)
-    # Padded rows (zeros) are computed like real ones and dropped at the end.
-    q_tiles = (
-        F.pad(q, (0, 0, 0, num_tiles * tile_q - seqlen_q))
-        .reshape(*lead, num_tiles, tile_q, head_dim)
-        .to(torch.float32)
-    )
-    rows = torch.arange(num_tiles * tile_q, device=q.device).view(num_tiles, tile_q, 1)
-    row_max = torch.full((*lead, num_tiles, tile_q), float("-inf"), dtype=torch.float32, device=q.device)
-    row_sum = torch.zeros_like(row_max)
-    acc = torch.zeros((*lead, num_tiles, tile_q, head_dim), dtype=torch.float32, device=q.device)
-    for start in range(0, seqlen_k, tile_k):
-        # Query tile i holds rows [i*tile_q, (i+1)*tile_q): it sees key `start` iff i >= start // tile_q.
-        first = start // tile_q if is_causal else 0
-        if first >= num_tiles:
-            break
-        k_tile = k[..., start : start + tile_k, :].unsqueeze(-3)
-        v_tile = v[..., start : start + tile_k, :].unsqueeze(-3)
-        scores = (q_tiles[..., first:, :, :] @ k_tile.transpose(-1, -2).to(torch.float32)) * scale
-        if is_causal:
-            cols = torch.arange(start, start + k_tile.shape[-2], device=q.device)
-            scores = scores.masked_fill(cols > rows[first:], float("-inf"))
-        m_old = row_max[..., first:, :]
-        # Each row's first visited tile contains key 0, so m_new is finite and masked entries give 0.
+    """(O (B, Hq, Tq, d) contiguous, L float32 (B, Hq, Tq)) of the problem in _validation's terms (the
+    ops' contract). rng_state: _dropout.draw_rng's (seed, offset), needed when dropout_p > 0. With
+    cu_seqlens_q and cu_seqlens_k, q (total_q, Hq, d), k and v (total_k, Hkv, d) hold packed sequences
+    (varlen_forward)."""
+    band = Band(window_left, window_right, diagonal_offset)
+    if cu_seqlens_q is not None:
+        return varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              dropout_p=dropout_p, rng_state=rng_state, scale=scale, band=band,
+                              tile_k=tile_k)  # fmt: skip
+    problem = _Problem(q, k, attn_mask, band, _dropout(dropout_p, rng_state, q, k.shape[2]))
+    return _forward(problem, q, k, v, scale, tile_k)
+
+
+def _forward(problem: _Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+             tile_k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q32 = problem.grouped_queries(q).to(torch.float32)
+    k, v = problem.grouped_keys(k), problem.grouped_keys(v)
+    stats_shape = q32.shape[:-1]
+    row_max = torch.full(stats_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    row_sum = torch.zeros(stats_shape, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(q32.shape, dtype=torch.float32, device=q.device)
+    for rows, cols in problem.key_tiles(tile_k):
+        r, c = slice(rows.start, rows.stop), slice(cols.start, cols.stop)
+        scores = (q32[..., r, :] @ k[..., c, :].transpose(-1, -2).to(torch.float32)) * scale
+        bias = problem.bias(rows, cols)
+        if bias is not None:
+            scores = scores + bias
+        visible = problem.visible(rows, cols)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        m_old = row_max[..., r]
         m_new = torch.maximum(m_old, scores.amax(-1))
-        p = torch.exp(scores - m_new.unsqueeze(-1))
-        alpha = torch.exp(m_old - m_new)
-        row_sum[..., first:, :] = row_sum[..., first:, :] * alpha + p.sum(-1)
-        acc[..., first:, :, :] = acc[..., first:, :, :] * alpha.unsqueeze(-1) + (p.to(v.dtype) @ v_tile).to(
-            torch.float32
-        )
-        row_max[..., first:, :] = m_new
-    out = (acc / row_sum.unsqueeze(-1)).to(q.dtype).reshape(*lead, num_tiles * tile_q, head_dim)
-    lse = (row_max + torch.log(row_sum)).reshape(*lead, num_tiles * tile_q)
-    return out[..., :seqlen_q, :].contiguous(), lse[..., :seqlen_q].contiguous()
+        # A row that has seen no key yet keeps m = -inf: subtract 0 there, so that exp gives 0, not NaN.
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)
+        p = torch.exp(scores - m_safe.unsqueeze(-1))
+        alpha = torch.exp(m_old - m_safe)
+        row_sum[..., r] = row_sum[..., r] * alpha + p.sum(-1)
+        dropout = problem.dropout_scale(rows, cols)
+        if dropout is not None:
+            p = p * dropout
+        pv = (p.to(v.dtype) @ v[..., c, :]).to(torch.float32)
+        acc[..., r, :] = acc[..., r, :] * alpha.unsqueeze(-1) + pv
+        row_max[..., r] = m_new
+    seen = row_sum > 0
+    out = torch.where(seen.unsqueeze(-1), acc / row_sum.unsqueeze(-1), 0.0).to(q.dtype)
+    lse = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
+    return out.view(q.shape), lse.view(q.shape[:-1])
 
 
 def _backward_key_tile(
@@ -96,27 +222,32 @@ def _backward_key_tile(
     lse: torch.Tensor,
     delta: torch.Tensor,
     scale: float,
-    first_row: int,
-    first_key: int,
-    is_causal: bool,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dropout: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradient pieces from one key tile: (dQ rows first_row.. in float32, dK tile, dV tile).
+    """Gradient pieces from one key tile: (dQ of the rows in float32, dK tile, dV tile).
 
-    q (q32 its float32 copy), grad_out (grad_out32), lse and delta hold the query rows from first_row on:
-    the rows that can see the tile.
+    q (q32 its float32 copy), grad_out (grad_out32), lse (+inf for rows that see no key) and delta hold
+    the query rows that can see the tile, grouped (B, Hkv, G, R, ...); k_tile and v_tile (B, Hkv, 1, C, d);
+    visible, bias, dropout: the tile's kept scores, float mask and dropout scale, or None.
     """
     scores = (q32 @ k_tile.transpose(-1, -2).to(torch.float32)) * scale
+    if bias is not None:
+        scores = scores + bias
     p = torch.exp(scores - lse.unsqueeze(-1))
-    if is_causal:
-        rows = torch.arange(first_row, first_row + q.shape[-2], device=q.device).unsqueeze(-1)
-        cols = torch.arange(first_key, first_key + k_tile.shape[-2], device=q.device)
-        p = p.masked_fill(cols > rows, 0.0)
-    grad_v = p.to(grad_out.dtype).transpose(-1, -2) @ grad_out
+    if visible is not None:
+        p = p.masked_fill(~visible, 0.0)
     grad_p = grad_out32 @ v_tile.transpose(-1, -2).to(torch.float32)
+    if dropout is not None:
+        grad_v = (p * dropout).to(grad_out.dtype).transpose(-1, -2) @ grad_out
+        grad_p = grad_p * dropout
+    else:
+        grad_v = p.to(grad_out.dtype).transpose(-1, -2) @ grad_out
     grad_s = (p * (grad_p - delta.unsqueeze(-1))).to(q.dtype)
-    grad_k = ((grad_s.transpose(-1, -2) @ q).to(torch.float32) * scale).to(k_tile.dtype)
+    grad_k = (grad_s.transpose(-1, -2) @ q).to(torch.float32).sum(2) * scale
     grad_q = (grad_s @ k_tile).to(torch.float32) * scale
-    return grad_q, grad_k, grad_v
+    return grad_q, grad_k, grad_v.to(torch.float32).sum(2)
 
 
 class _CompiledOnCuda:
@@ -150,51 +281,162 @@ class _CompiledOnCuda:
 _backward_step = _CompiledOnCuda(_backward_key_tile)
 
 
-def torch_backward(
+def attention_backward(
+    grad_out: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    grad_out: torch.Tensor,
-    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
     scale: float,
-    tile_k: int = TILE_K,
+    window_left: int = UNBOUNDED,
+    window_right: int = UNBOUNDED,
+    diagonal_offset: int = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
     grad_lse: torch.Tensor | None = None,
+    tile_k: int = TILE_K,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) by recomputing P tile by tile from L, with D = rowsum(dO * O). grad_lse, the gradient
-    of L where L is used too, adds to dS = P (dP - D) as P dL: it is subtracted from D."""
-    seqlen_q, seqlen_k = q.shape[-2], k.shape[-2]
-    q32, grad_out32 = q.to(torch.float32), grad_out.to(torch.float32)
-    delta = (grad_out32 * out.to(torch.float32)).sum(-1)
+    """(dQ, dK, dV) of attention_forward's problem, from its O and L (and the same rng_state), recomputing
+    P tile by tile with D = rowsum(dO * O). grad_lse, the gradient of L where the caller used L, adds P dL
+    to dS = P (dP - D): it is subtracted from D. No gradient flows to attn_mask."""
+    band = Band(window_left, window_right, diagonal_offset)
+    if cu_seqlens_q is not None:
+        return varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
+                               dropout_p=dropout_p, rng_state=rng_state, scale=scale, band=band,
+                               grad_lse=grad_lse, tile_k=tile_k)  # fmt: skip
+    problem = _Problem(q, k, attn_mask, band, _dropout(dropout_p, rng_state, q, k.shape[2]))
+    return _backward(problem, grad_out, q, k, v, out, lse, grad_lse, scale, tile_k)
+
+
+def _backward(problem: _Problem, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None, scale: float,
+              tile_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grouped_q, grouped_do = problem.grouped_queries(q), problem.grouped_queries(grad_out)
+    q32, grad_out32 = grouped_q.to(torch.float32), grouped_do.to(torch.float32)
+    delta = (grad_out32 * problem.grouped_queries(out).to(torch.float32)).sum(-1)
     if grad_lse is not None:
-        delta = delta - grad_lse
-    grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    grad_k = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    grad_v = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    for start in range(0, seqlen_k, tile_k):
-        first_row = start if is_causal else 0  # under causal masking rows before `start` see no key here
-        if first_row >= seqlen_q:
-            break
-        stop = start + tile_k
+        delta = delta - problem.grouped_queries(grad_lse)
+    # Rows that saw no key (L = -inf) get P = exp(S - inf) = 0.
+    lse = problem.grouped_queries(lse)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    grouped_k, grouped_v = problem.grouped_keys(k), problem.grouped_keys(v)
+    grad_q = torch.zeros(q32.shape, dtype=torch.float32, device=q.device)
+    grad_k = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    grad_v = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    for rows, cols in problem.key_tiles(tile_k):
+        r, c = slice(rows.start, rows.stop), slice(cols.start, cols.stop)
         piece_q, piece_k, piece_v = _backward_step(
-            q[..., first_row:, :],
-            q32[..., first_row:, :],
-            k[..., start:stop, :],
-            v[..., start:stop, :],
-            grad_out[..., first_row:, :],
-            grad_out32[..., first_row:, :],
-            lse[..., first_row:],
-            delta[..., first_row:],
-            scale,
-            first_row,
-            start,
-            is_causal,
-        )
-        grad_q[..., first_row:, :] += piece_q
-        grad_k[..., start:stop, :] = piece_k
-        grad_v[..., start:stop, :] = piece_v
-    return grad_q.to(q.dtype), grad_k, grad_v
+            grouped_q[..., r, :], q32[..., r, :], grouped_k[..., c, :], grouped_v[..., c, :],
+            grouped_do[..., r, :], grad_out32[..., r, :], lse[..., r], delta[..., r], scale,
+            problem.visible(rows, cols), problem.bias(rows, cols), problem.dropout_scale(rows, cols),
+        )  # fmt: skip
+        grad_q[..., r, :] += piece_q
+        grad_k[..., c, :] = piece_k
+        grad_v[..., c, :] = piece_v
+    return grad_q.to(q.dtype).view(q.shape), grad_k, grad_v
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(query start, query end, key start, key end) of each packed sequence."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return list(zip(starts_q, starts_q[1:], starts_k, starts_k[1:], strict=False))
+
+
+def _sequence(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of a packed (total, H, d) as (1, H, T, d): a view."""
+    return x[start:end].transpose(0, 1).unsqueeze(0)
+
+
+def _varlen_problem(q: torch.Tensor, k: torch.Tensor, sequence: tuple[int, int, int, int], band: Band,
+                    dropout_p: float, rng_state: torch.Tensor | None,
+                    max_seqlen_k: int) -> _Problem:  # fmt: skip
+    """One sequence's problem. Its dropout counters are those of (Hq, total_q, max_seqlen_k): of query head
+    h, packed row r and key j, h * total_q * max_seqlen_k + r * max_seqlen_k + j."""
+    q_start, q_end, k_start, k_end = sequence
+    q_seq, k_seq = _sequence(q, q_start, q_end), _sequence(k, k_start, k_end)
+    dropout = None
+    if dropout_p > 0.0:
+        _check_rng(dropout_p, rng_state)
+        dropout = Dropout(dropout_p, rng_state, 0, q.shape[0] * max_seqlen_k, max_seqlen_k,
+                          q_start * max_seqlen_k)  # fmt: skip
+    return _Problem(q_seq, k_seq, None, band, dropout)
+
+
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, dropout_p: float,
+                   rng_state: torch.Tensor | None, scale: float, band: Band,
+                   tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(O (total_q, Hq, d), L float32 (total_q, Hq)) of packed sequences: each sequence's queries attend
+    to its keys as attention_forward of that sequence alone would."""
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for sequence in _sequences(cu_seqlens_q, cu_seqlens_k):
+        q_start, q_end, k_start, k_end = sequence
+        if q_end == q_start or k_end == k_start:
+            continue
+        problem = _varlen_problem(q, k, sequence, band, dropout_p, rng_state, max_seqlen_k)
+        out_seq, lse_seq = _forward(problem, _sequence(q, q_start, q_end), _sequence(k, k_start, k_end),
+                                    _sequence(v, k_start, k_end), scale, tile_k)  # fmt: skip
+        out[q_start:q_end] = out_seq[0].transpose(0, 1)
+        lse[q_start:q_end] = lse_seq[0].transpose(0, 1)
+    return out, lse
+
+
+def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor,
+                    max_seqlen_k: int, *, dropout_p: float, rng_state: torch.Tensor | None, scale: float,
+                    band: Band, grad_lse: torch.Tensor | None = None,
+                    tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dQ, dK, dV), packed like q, k, v, of varlen_forward."""
+    grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    for sequence in _sequences(cu_seqlens_q, cu_seqlens_k):
+        q_start, q_end, k_start, k_end = sequence
+        if q_end == q_start or k_end == k_start:
+            continue
+        problem = _varlen_problem(q, k, sequence, band, dropout_p, rng_state, max_seqlen_k)
+        rows, keys = (q_start, q_end), (k_start, k_end)
+        grad_lse_seq = None if grad_lse is None else grad_lse[q_start:q_end].transpose(0, 1).unsqueeze(0)
+        lse_seq = lse[q_start:q_end].transpose(0, 1).unsqueeze(0)
+        pieces = _backward(
+            problem, _sequence(grad_out, *rows), _sequence(q, *rows), _sequence(k, *keys),
+            _sequence(v, *keys), _sequence(out, *rows), lse_seq, grad_lse_seq, scale, tile_k,
+        )  # fmt: skip
+        for grad, piece, (start, end) in zip(grads, pieces, (rows, keys, keys), strict=True):
+            grad[start:end] = piece[0].transpose(0, 1)
+    return tuple(grads)
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    """(..., T, d) as (B, H, T, d)."""
+    return x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
+
+
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
+                  tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(O, L) of the assignment's problem: q (..., Tq, d), k and v (..., Tk, d) with q's leading dims,
+    top-left causal masking; L float32 of shape q.shape[:-1]."""
+    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), scale=scale,
+                                 window_right=0 if is_causal else UNBOUNDED, tile_k=tile_k)  # fmt: skip
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor, is_causal: bool, scale: float,
+                   tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dQ, dK, dV) of torch_forward."""
+    grads = attention_backward(
+        _as_4d(grad_out), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), _as_4d(lse.unsqueeze(-1))[..., 0],
+        scale=scale, window_right=0 if is_causal else UNBOUNDED, tile_k=tile_k,
+    )  # fmt: skip
+    return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v), strict=True))
 
 
 class FlashAttentionTorch(AttentionFunction):

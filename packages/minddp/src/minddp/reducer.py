@@ -152,10 +152,13 @@ class Reducer:
         if self.comm_hook is not None:
             is_last = bucket.index == len(self.buckets) - 1
             return self.comm_hook(self.comm_hook_state, bucket.for_hook(flat, is_last))
+        if self.divisor == 1:
+            # The sum is the average. NCCL's AVG would still run a scaling kernel over the bucket on its
+            # own stream, while an in-place SUM over one rank launches nothing at all.
+            return dist.all_reduce(flat, group=self.process_group, async_op=True)
         if self.average_in_collective and self.divisor == self.world_size:
             return dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.process_group, async_op=True)
-        if self.divisor > 1:
-            flat.div_(self.divisor)
+        flat.div_(self.divisor)
         return dist.all_reduce(flat, group=self.process_group, async_op=True)
 
     def wait(self, pending: torch.futures.Future | dist.Work, flat: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,381 @@
+"""Launchers of the feature kernels (_feature_kernels): the Triton path of every problem the tuned kernels
+do not take (grouped-query attention, bands other than top-left causal, masks, dropout, packed sequences,
+a gradient through the log-sum-exp). Same arguments and results as torch_impl.attention_forward and
+attention_backward; the backward is deterministic (no atomics).
+
+Triton is imported on first use. Tile shapes follow the head dim and dtype (no tuning: these launches
+are plain JIT calls, safe under CUDA graph capture after a first call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+from flashattn_triton._dropout import threshold
+from flashattn_triton._validation import UNBOUNDED
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    from flashattn_triton import _feature_kernels
+
+    return _feature_kernels
+
+
+class Blocks(NamedTuple):
+    """A launch's tiles: block_m query rows by block_n keys (for dK/dV: block_n keys owned, stepping
+    block_m query rows; for dQ and the forward: block_m rows owned, stepping block_n keys)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+class Launches(NamedTuple):
+    forward: Blocks
+    dkdv: Blocks
+    dq: Blocks
+
+
+SMALLEST = Blocks(32, 32, 4, 1)  # where a launch runs out of shared memory
+
+
+def _blocks(block_d: int, dtype: torch.dtype, device: torch.device) -> Launches:
+    """Tile shapes that compile for sm_90 without register spills (Triton's sm_90 compiler, every feature
+    on: both window bounds, a float mask, dropout): 8 warps, the program's own rows long where the
+    registers allow. Tiny ones for the interpreter, whose cost grows with the tiles' product."""
+    if device.type != "cuda":
+        tiny = Blocks(16, 16, 1, 1)
+        return Launches(tiny, tiny, tiny)
+    if dtype == torch.float32 or block_d > 128:
+        return Launches(Blocks(64, 32, 8, 2), Blocks(32, 32, 8, 1), Blocks(64, 16, 8, 2))
+    if block_d <= 64:
+        return Launches(Blocks(128, 64, 8, 3), Blocks(64, 64, 8, 2), Blocks(128, 32, 8, 3))
+    return Launches(Blocks(128, 32, 8, 3), Blocks(32, 64, 8, 2), Blocks(64, 32, 8, 2))
+
+
+def _launch(
+    kernel: Any, grid: Callable[[Blocks], tuple[int, int]], blocks: Blocks, *args: Any, **constants: Any
+) -> None:
+    """kernel[grid(blocks)](*args) with blocks' tiles, stepping down to SMALLEST if they do not fit."""
+    from triton.runtime.errors import OutOfResources
+
+    for attempt in (blocks, SMALLEST):
+        try:
+            kernel[grid(attempt)](
+                *args,
+                BLOCK_M=attempt.block_m,
+                BLOCK_N=attempt.block_n,
+                num_warps=attempt.num_warps,
+                num_stages=attempt.num_stages,
+                **constants,
+            )
+            return
+        except OutOfResources:
+            if attempt == SMALLEST:
+                raise
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "tf32x3"
+    return "tf32"
+
+
+def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """x with unit stride along its last dim (the kernels' pointers step rows by stride, columns by 1)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(z, h, t) strides of a (B, H, T, d) tensor, or of a packed (total, H, d) one (z: 0)."""
+    if varlen:
+        return 0, x.stride(1), x.stride(0)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(z, h, t) strides of L: (B, H, T), or packed (total, H)."""
+    if varlen:
+        return 0, lse.stride(1), lse.stride(0)
+    return lse.stride(0), lse.stride(1), lse.stride(2)
+
+
+class _Problem(NamedTuple):
+    """What every launch of one problem shares: its shapes, band, mask and dropout as kernel arguments."""
+
+    varlen: bool
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    mask: torch.Tensor
+    mask_strides: tuple[int, int, int, int]
+    mask_kind: int
+    rng: torch.Tensor | None
+    shared: tuple  # the scalar arguments after the head counts, in the kernels' order
+    constants: dict
+
+
+def _problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    rng_state: torch.Tensor | None,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    diagonal_offset: int,
+    cu_seqlens_q: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> _Problem:
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
+        seqlen_q, seqlen_k, total_q = max_seqlen_q, max_seqlen_k, q.shape[0]
+        drop_strides = (0, total_q * seqlen_k, seqlen_k)  # counters of (Hq, total_q, max_seqlen_k)
+    else:
+        batch, heads, seqlen_q = q.shape[:3]
+        kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        drop_strides = (heads * seqlen_q * seqlen_k, seqlen_q * seqlen_k, seqlen_k)
+    if attn_mask is None:  # a stand-in that is never read (MASK = 0)
+        mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
+    else:
+        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B, Hq, Tq, Tk) or broadcastable
+        mask_strides = tuple(0 if n == 1 else s for n, s in zip(mask.shape, mask.stride(), strict=True))
+        mask_kind = 1 if attn_mask.dtype == torch.bool else 2
+    if dropout_p > 0.0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state, the (seed, offset) of _dropout.draw_rng")
+    head_dim = q.shape[-1]
+    shared = (seqlen_q, seqlen_k, head_dim)
+    band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
+    dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), *drop_strides)
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    constants = {
+        "BLOCK_D": block_d,
+        "HAS_LEFT": window_left != UNBOUNDED,
+        "HAS_RIGHT": window_right != UNBOUNDED,
+        "MASK": mask_kind,
+        "DROPOUT": dropout_p > 0.0,
+        "VARLEN": varlen,
+        "INPUT_PRECISION": _input_precision(q.dtype),
+    }
+    return _Problem(
+        varlen,
+        batch,
+        heads,
+        kv_heads,
+        seqlen_q,
+        seqlen_k,
+        head_dim,
+        mask,
+        mask_strides,
+        mask_kind,
+        rng_state,
+        (shared, scale, band, dropout),
+        constants,
+    )
+
+
+def feature_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
+    scale: float,
+    window_left: int = UNBOUNDED,
+    window_right: int = UNBOUNDED,
+    diagonal_offset: int = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch_impl.attention_forward's (O, L), from _feature_kernels.attn_fwd."""
+    q, k, v = (_unit_last(t) for t in (q, k, v))
+    p = _problem(
+        q,
+        k,
+        attn_mask,
+        dropout_p,
+        rng_state,
+        scale,
+        window_left,
+        window_right,
+        diagonal_offset,
+        cu_seqlens_q,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    (seqlens, scale, band, dropout), c = p.shared, p.constants
+    blocks = _blocks(c["BLOCK_D"], q.dtype, q.device).forward
+    with _device_guard(q):
+        _launch(
+            _kernels().attn_fwd,
+            lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
+            blocks,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            p.mask,
+            p.rng,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *_strides(q, p.varlen),
+            *_strides(k, p.varlen),
+            *_strides(v, p.varlen),
+            *_strides(out, p.varlen),
+            *_lse_strides(lse, p.varlen),
+            *p.mask_strides,
+            p.heads,
+            p.heads // p.kv_heads,
+            *seqlens,
+            scale * _kernels().LOG2E,
+            *band,
+            *dropout,
+            **c,
+        )
+    return out, lse
+
+
+def feature_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    rng_state: torch.Tensor | None = None,
+    scale: float,
+    window_left: int = UNBOUNDED,
+    window_right: int = UNBOUNDED,
+    diagonal_offset: int = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    grad_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch_impl.attention_backward's (dQ, dK, dV), from _feature_kernels.attn_bwd_dkdv then attn_bwd_dq:
+    no atomics, so bitwise repeatable."""
+    q, k, v, grad_out = (_unit_last(t) for t in (q, k, v, grad_out))
+    p = _problem(
+        q,
+        k,
+        attn_mask,
+        dropout_p,
+        rng_state,
+        scale,
+        window_left,
+        window_right,
+        diagonal_offset,
+        cu_seqlens_q,
+        max_seqlen_q,
+        max_seqlen_k,
+    )
+    grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    if q.numel() == 0 or k.numel() == 0:
+        return tuple(grads)
+    dq, dk, dv = grads
+    lse = lse.contiguous()
+    delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(-1)
+    if grad_lse is not None:  # dS = P (dP - D + dL)
+        delta = delta - grad_lse
+    delta = delta.contiguous()
+    (seqlens, scale, band, dropout), c = p.shared, p.constants
+    launches = _blocks(c["BLOCK_D"], q.dtype, q.device)
+    kernels = _kernels()
+    common = (
+        *_strides(q, p.varlen),
+        *_strides(k, p.varlen),
+        *_strides(v, p.varlen),
+        *_strides(grad_out, p.varlen),
+        *_lse_strides(lse, p.varlen),
+    )
+    group = p.heads // p.kv_heads
+    with _device_guard(q):
+        _launch(
+            kernels.attn_bwd_dkdv,
+            lambda b: (-(-p.seqlen_k // b.block_n), p.batch * p.kv_heads),
+            launches.dkdv,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dk,
+            dv,
+            p.mask,
+            p.rng,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *common,
+            *_strides(dk, p.varlen),
+            *_strides(dv, p.varlen),
+            *p.mask_strides,
+            p.kv_heads,
+            group,
+            *seqlens,
+            scale * kernels.LOG2E,
+            scale,
+            *band,
+            *dropout,
+            **c,
+        )
+        _launch(
+            kernels.attn_bwd_dq,
+            lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
+            launches.dq,
+            q,
+            k,
+            v,
+            grad_out,
+            lse,
+            delta,
+            dq,
+            p.mask,
+            p.rng,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            *common,
+            *_strides(dq, p.varlen),
+            *p.mask_strides,
+            p.heads,
+            group,
+            *seqlens,
+            scale * kernels.LOG2E,
+            scale,
+            *band,
+            *dropout,
+            **c,
+        )
+    return dq, dk, dv

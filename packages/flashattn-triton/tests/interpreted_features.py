@@ -1,0 +1,173 @@
+"""The feature kernels (_feature_kernels through feature_impl) under Triton's CPU interpreter, against the
+PyTorch path (itself checked against float64 references in test_features.py), forward and backward.
+
+Not collected on its own (TRITON_INTERPRET must be set before the kernels are first imported):
+test_features_interpreter.py runs this file in a pytest subprocess with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+from flashattn_triton import feature_impl, flash_attention, torch_impl
+from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_features_interpreter.py (TRITON_INTERPRET=1)", allow_module_level=True)
+
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def run(forward, backward, args: OpArguments, grad_out: torch.Tensor, grad_lse=None) -> dict:
+    options = args._asdict()
+    q, k, v = (options.pop(name) for name in ("q", "k", "v"))
+    out, lse = forward(q, k, v, **options)
+    grads = backward(grad_out, q, k, v, out, lse, grad_lse=grad_lse, **options)
+    return dict(zip(NAMES, (out, lse, *grads), strict=True))
+
+
+def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> None:
+    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out, grad_lse)
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+    for name in NAMES:
+        assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
+        unseen = want[name] == float("-inf")  # lse of rows that see no key
+        assert torch.equal(got[name] == float("-inf"), unseen), name
+        g, w = got[name].double().masked_fill(unseen, 0), want[name].double().masked_fill(unseen, 0)
+        error = (g - w).abs().max().item() / max(w.abs().max().item(), 1.0)
+        assert error <= bound, f"{name}: max error {error:.2e} relative to max |torch path|"
+
+
+def qkv(batch=2, q_heads=4, kv_heads=2, seqlen_q=37, seqlen_k=45, head_dim=16, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(batch, q_heads, seqlen_q, head_dim), *[(batch, kv_heads, seqlen_k, head_dim)] * 2]
+    q, k, v = (torch.randn(s, generator=generator).to(dtype) for s in shapes)
+    return q, k, v, torch.randn(q.shape, generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (3, 1), (2, 2)])
+def test_gqa(q_heads, kv_heads):
+    q, k, v, grad_out = qkv(q_heads=q_heads, kv_heads=kv_heads)
+    assert_matches_torch_path(op_arguments(q, k, v, enable_gqa=True), grad_out)
+
+
+@pytest.mark.parametrize("window", [(7, -1), (3, 5), (-1, 0), (0, 0), (20, 2)], ids=str)
+def test_bands(window):
+    q, k, v, grad_out = qkv()
+    assert_matches_torch_path(op_arguments(q, k, v, enable_gqa=True, window_size=window), grad_out)
+
+
+@pytest.mark.parametrize(("seqlen_q", "seqlen_k"), [(20, 50), (50, 20)])
+def test_causal_lower_right_and_a_window(seqlen_q, seqlen_k):
+    q, k, v, grad_out = qkv(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    bias = causal_lower_right(seqlen_q, seqlen_k)
+    assert_matches_torch_path(op_arguments(q, k, v, bias, enable_gqa=True), grad_out)
+    assert_matches_torch_path(op_arguments(q, k, v, bias, enable_gqa=True, window_size=(5, -1)), grad_out)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 37, 45), (37, 45), (1, 4, 1, 45), (2, 4, 37, 1)], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_broadcast_masks(shape, kind):
+    q, k, v, grad_out = qkv()
+    generator = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        mask = torch.rand(shape, generator=generator) > 0.4
+        if shape[-1] > 1:
+            mask[..., :16] = False  # a whole key tile that every row drops: skipped
+    else:
+        dropped = torch.rand(shape, generator=generator) < 0.2
+        mask = torch.randn(shape, generator=generator).masked_fill(dropped, float("-inf"))
+    assert_matches_torch_path(op_arguments(q, k, v, mask, enable_gqa=True), grad_out)
+
+
+def test_dropout_with_a_mask_and_a_gradient_through_lse():
+    q, k, v, grad_out = qkv()
+    torch.manual_seed(0)
+    args = op_arguments(q, k, v, torch.randn(37, 45), dropout_p=0.3, enable_gqa=True)
+    assert_matches_torch_path(args, grad_out, torch.randn(q.shape[:-1]))
+
+
+def test_transposed_layouts_and_float16():
+    q, k, v, grad_out = qkv(dtype=torch.float16)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # (B, T, H, d) memory
+    assert_matches_torch_path(op_arguments(q, k, v, enable_gqa=True, is_causal=True), grad_out, bound=4e-3)
+
+
+def test_varlen_with_gqa_causal_and_dropout():
+    lengths_q, lengths_k = [13, 1, 40, 0, 22], [13, 5, 31, 3, 22]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lengths_q), 4, 16, generator=generator)
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=generator) for _ in range(2))
+    cumulative = lambda n: torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    cu_q, cu_k = cumulative(lengths_q), cumulative(lengths_k)
+    grad_out = torch.randn(q.shape, generator=generator)
+    for options in ({"is_causal": True}, {"window_size": (4, 2)}, {"dropout_p": 0.2}):
+        args = varlen_op_arguments(q, k, v, cu_q, cu_k, 40, 31, enable_gqa=True, **options)
+        assert_matches_torch_path(args, grad_out)
+
+
+def test_flash_attention_routes_features_to_the_feature_kernels(monkeypatch):
+    launched = []
+    original = feature_impl.feature_forward
+    monkeypatch.setattr(
+        feature_impl, "feature_forward", lambda *a, **kw: launched.append(1) or original(*a, **kw)
+    )
+    q, k, v, grad_out = qkv()
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*tensors, enable_gqa=True, window_size=(6, 0))
+    out.backward(grad_out)
+    assert launched
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward,
+               op_arguments(q, k, v, enable_gqa=True, window_size=(6, 0)), grad_out)  # fmt: skip
+    for name, got in (
+        ("out", out),
+        ("dq", tensors[0].grad),
+        ("dk", tensors[1].grad),
+        ("dv", tensors[2].grad),
+    ):
+        torch.testing.assert_close(got, want[name], atol=1e-5, rtol=1e-5)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    q, k, v, grad_out = qkv(q_heads=2, kv_heads=2)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+            flash_attention(*tensors, is_causal=True).backward(grad_out)
+            grads.append([t.grad for t in tensors])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)
+
+
+def test_gqa_without_mask_or_band_runs_the_tuned_kernels_on_stacked_groups(monkeypatch):
+    from flashattn_triton import triton_impl
+
+    def no_feature_kernels(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
+    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    launched = []
+    original = triton_impl.triton_backward
+    monkeypatch.setattr(
+        triton_impl, "triton_backward", lambda *a, **kw: launched.append(1) or original(*a, **kw)
+    )
+    q, k, v, grad_out = qkv(q_heads=6, kv_heads=2)
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*tensors, enable_gqa=True, return_lse=True)
+    grad_lse = torch.randn(lse.shape)
+    torch.autograd.backward([out, lse], [grad_out, grad_lse])
+    assert launched
+    args = op_arguments(q, k, v, enable_gqa=True)
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+    got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
+    for name in NAMES:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)

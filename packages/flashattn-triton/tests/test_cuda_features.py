@@ -1,0 +1,210 @@
+"""flash_attention's features on a CUDA GPU, every dtype: the feature kernels (through the custom ops)
+against the PyTorch path run in float64 on the same inputs (test_features.py checks that path against
+naive float64 attention), forward and backward; dropout, determinism, routing and CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+from flashattn_triton import feature_impl, flash_attention, flash_attention_varlen, torch_impl, triton_impl
+from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Max error relative to the largest reference value. A missed key tile or a mask off by one costs far more.
+BOUNDS = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+@pytest.fixture(autouse=True)
+def full_float32_precision():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(batch, q_heads, seqlen_q, head_dim), *[(batch, kv_heads, seqlen_k, head_dim)] * 2]
+    q, k, v = (torch.randn(s, device="cuda", generator=generator).to(dtype) for s in shapes)
+    return q, k, v, torch.randn(q.shape, device="cuda", generator=generator).to(dtype)
+
+
+def float64_torch_path(args: OpArguments, grad_out: torch.Tensor) -> dict:
+    options = args._asdict()
+    q, k, v = (options.pop(name).double() for name in ("q", "k", "v"))
+    if options["attn_mask"] is not None and options["attn_mask"].is_floating_point():
+        options["attn_mask"] = options["attn_mask"].double()
+    out, lse = torch_impl.attention_forward(q, k, v, **options)
+    grads = torch_impl.attention_backward(grad_out.double(), q, k, v, out, lse, **options)
+    return dict(zip(NAMES, (out, lse, *grads), strict=True))
+
+
+def feature_kernels(args: OpArguments, grad_out: torch.Tensor) -> dict:
+    options = args._asdict()
+    q, k, v = (options.pop(name) for name in ("q", "k", "v"))
+    out, lse = feature_impl.feature_forward(q, k, v, **options)
+    grads = feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
+    return dict(zip(NAMES, (out, lse, *grads), strict=True))
+
+
+def assert_close(got: dict, want: dict, dtype: torch.dtype) -> None:
+    for name in NAMES:
+        unseen = want[name] == float("-inf")
+        assert torch.equal(got[name] == float("-inf"), unseen), f"{name}: rows that see no key differ"
+        g, w = got[name].double().masked_fill(unseen, 0), want[name].masked_fill(unseen, 0)
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+        error = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
+        assert error <= BOUNDS[dtype], f"{name} ({dtype}): max error {error:.2e} relative to max |reference|"
+
+
+def _mask(shape, kind):
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    if kind == "bool":
+        mask = torch.rand(shape, device="cuda", generator=generator) > 0.3
+        mask[..., :128] = False  # whole key tiles that every row drops
+        return mask
+    return torch.randn(shape, device="cuda", generator=generator)
+
+
+CASES = {  # name: (batch, Hq, Hkv, Tq, Tk, d), op_arguments' keyword arguments
+    "gqa-causal": ((2, 8, 2, 300, 300, 64), {"is_causal": True, "enable_gqa": True}),
+    "gqa-d16": ((1, 4, 1, 257, 129, 16), {"enable_gqa": True}),
+    "gqa-d96": ((1, 6, 3, 200, 333, 96), {"enable_gqa": True}),
+    "gqa-d256": ((1, 2, 1, 130, 130, 256), {"enable_gqa": True, "is_causal": True}),
+    "window-causal": ((1, 4, 4, 1030, 1030, 64), {"is_causal": True, "window_size": (100, -1)}),
+    "window-both": ((2, 2, 1, 513, 700, 128), {"window_size": (37, 12), "enable_gqa": True}),
+    "lower-right": ((2, 4, 4, 200, 700, 128), {"attn_mask": lambda: causal_lower_right(200, 700)}),
+    "bool-mask": (
+        (2, 4, 2, 300, 500, 64),
+        {"attn_mask": lambda: _mask((2, 1, 300, 500), "bool"), "enable_gqa": True},
+    ),
+    "float-mask": ((2, 4, 4, 300, 500, 64), {"attn_mask": lambda: _mask((1, 4, 1, 500), "float")}),
+    "dropout-mask": (
+        (2, 4, 4, 257, 257, 64),
+        {"attn_mask": lambda: _mask((257, 257), "float"), "dropout_p": 0.2},
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", CASES)
+def test_feature_kernels_match_float64(case, dtype):
+    shape, options = CASES[case]
+    q, k, v, grad_out = qkv(*shape, dtype)
+    options = {name: value() if callable(value) else value for name, value in options.items()}
+    mask = options.get("attn_mask")
+    if type(mask) is torch.Tensor and mask.is_floating_point():  # (a CausalBias is a Tensor subclass)
+        options["attn_mask"] = options["attn_mask"].to(dtype)
+    torch.manual_seed(0)
+    args = op_arguments(q, k, v, **options)
+    assert_close(feature_kernels(args, grad_out), float64_torch_path(args, grad_out), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_varlen_matches_float64(dtype):
+    lengths_q, lengths_k = [130, 1, 400, 0, 77], [130, 50, 310, 3, 77]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(lengths_q), 8, 64, device="cuda", generator=generator).to(dtype)
+    k, v = (
+        torch.randn(sum(lengths_k), 2, 64, device="cuda", generator=generator).to(dtype) for _ in range(2)
+    )
+    grad_out = torch.randn(q.shape, device="cuda", generator=generator).to(dtype)
+    cumulative = lambda n: torch.tensor(
+        [0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )  # noqa: E731
+    for options in ({"is_causal": True}, {"window_size": (20, 5)}, {"dropout_p": 0.1}):
+        args = varlen_op_arguments(q, k, v, cumulative(lengths_q), cumulative(lengths_k), 400, 310,
+                                   enable_gqa=True, **options)  # fmt: skip
+        assert_close(feature_kernels(args, grad_out), float64_torch_path(args, grad_out), dtype)
+
+
+def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_ones(monkeypatch):
+    calls = []
+    for module, name in ((feature_impl, "feature_forward"), (triton_impl, "triton_forward")):
+        original = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+        )
+    q, k, v, _ = qkv(1, 4, 2, 128, 128, 64, torch.bfloat16)
+    flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+    flash_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    flash_attention(q, k, v, enable_gqa=True)  # no mask or band: the groups stacked along T
+    assert calls == ["feature_forward", "triton_forward", "triton_forward"]
+
+
+@pytest.mark.parametrize("enable_gqa", [False, True])
+def test_deterministic_backward_is_bitwise_repeatable(enable_gqa):
+    q, k, v, grad_out = qkv(2, 8, 2 if enable_gqa else 8, 1024, 1024, 64, torch.bfloat16)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(3):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            flash_attention(*leaves, is_causal=True, enable_gqa=enable_gqa).backward(grad_out)
+            grads.append([t.grad for t in leaves])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for later in grads[1:]:
+        for first, again in zip(grads[0], later, strict=True):
+            assert torch.equal(first, again)
+
+
+def test_dropout_follows_torch_manual_seed_on_cuda():
+    q, k, v, grad_out = qkv(2, 4, 4, 300, 300, 64, torch.bfloat16)
+    results = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention(*leaves, dropout_p=0.3)
+        out.backward(grad_out)
+        results.append([out, *[t.grad for t in leaves]])
+    for first, again in zip(results[0], results[1], strict=True):
+        assert torch.equal(first, again)
+    assert not torch.equal(results[0][0], results[2][0])
+
+
+def test_feature_call_captured_in_a_cuda_graph_replays_exactly():
+    q, k, v, grad_out = qkv(1, 4, 2, 512, 512, 64, torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = flash_attention(*leaves, is_causal=True, enable_gqa=True, window_size=(64, 0))
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    expected = step()  # warm-up: compiles the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_flash_attention_varlen_on_cuda_equals_each_sequence_alone():
+    lengths = [100, 3, 257]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", generator=generator, dtype=torch.float16)
+               for _ in range(3))  # fmt: skip
+    cu_seqlens = torch.tensor([0, 100, 103, 360], dtype=torch.int32, device="cuda")
+    out = flash_attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 257, 257, is_causal=True)
+    for start, end in ((0, 100), (100, 103), (103, 360)):
+        alone = flash_attention(*(t[start:end].transpose(0, 1) for t in (q, k, v)), is_causal=True)
+        torch.testing.assert_close(out[start:end], alone.transpose(0, 1), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_gqa_without_mask_or_band_on_stacked_groups_matches_float64(dtype):
+    """flash_attention's grouped-query attention that the tuned kernels take (groups stacked along T)."""
+    q, k, v, grad_out = qkv(2, 8, 2, 333, 400, 64, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, enable_gqa=True, return_lse=True)
+    out.backward(grad_out)
+    got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
+    assert_close(got, float64_torch_path(op_arguments(q, k, v, enable_gqa=True), grad_out), dtype)
