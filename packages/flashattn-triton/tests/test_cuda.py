@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import flashattn_triton
 from flashattn_triton import (
     FlashAttentionTorch,
     FlashAttentionTriton,
@@ -635,6 +636,29 @@ def test_each_pass_captures_on_its_own_through_each_entry_point(monkeypatch, tmp
     wanted = (want,) if which == "fwd" else tuple(leaf.grad for leaf in leaves)
     for got, expected in zip(results, wanted, strict=True):
         torch.testing.assert_close(got, expected, atol=5e-2, rtol=5e-2)
+
+
+def test_flash_attention_varlen_captures_in_a_cuda_graph():
+    """Packed sequences: their lengths are checked on the host eagerly, not in a capture (a sync there)."""
+    lengths = [100, 3, 257]
+    q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    cu_seqlens = torch.tensor([0, 100, 103, 360], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = flashattn_triton.flash_attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 257, 257,
+                                                      is_causal=True)  # fmt: skip
+        return (out, *torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+
+    expected = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize(("lead", "seqlen", "tune"), [((1, 1), 512, False), ((4, 16), 4096, True)],

@@ -311,8 +311,9 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
         raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}; they must be on one device")
-    if torch.compiler.is_compiling() or cu.device.type == "meta":
-        return  # the values are data: checked eagerly only
+    if torch.compiler.is_compiling() or cu.device.type == "meta" or (
+            cu.is_cuda and torch.cuda.is_current_stream_capturing()):  # fmt: skip
+        return  # the values are data: checked eagerly only (reading them syncs, which a capture forbids)
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
     if values[0] != 0 or min(lengths) < 0:
