@@ -79,14 +79,18 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+ANY_EXTRA = "*"
+
+
 def declared_requirements(dist: str, extra: str | None = None) -> set[str]:
-    """Distribution names a package requires, with those of one extra if named."""
+    """Distribution names a package requires, with those of one extra if named (of every extra for
+    ``ANY_EXTRA``)."""
     found = set()
     for requirement in importlib.metadata.requires(dist) or []:
         name = re.match(r"[A-Za-z0-9._-]+", requirement).group(0)
         markers = requirement.partition(";")[2]
         needed_extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", markers)
-        if needed_extra is None or needed_extra.group(1) == extra:
+        if needed_extra is None or extra in (needed_extra.group(1), ANY_EXTRA):
             found.add(normalized(name))
     return found
 
@@ -105,8 +109,11 @@ def undeclared(dist: str, folder: Path, extra: str | None) -> list[str]:
 
 @pytest.mark.parametrize("dist", DISTS)
 def test_every_import_of_the_code_is_declared(dist):
+    """In the requirements, or in an extra for an import the code makes only when it is installed
+    (flashattn-triton's Triton, which CUDA builds of torch bring: `nox -s build` runs each README example
+    with no extra installed)."""
     directory, import_name = DISTS[dist]
-    assert undeclared(dist, ROOT / directory / "src" / import_name, extra=None) == []
+    assert undeclared(dist, ROOT / directory / "src" / import_name, extra=ANY_EXTRA) == []
 
 
 @pytest.mark.parametrize("dist", DISTS)

@@ -32,8 +32,15 @@ DIRECT_LAUNCH_TRITON = (3, 6)  # the Triton whose C launcher the direct launch c
 @functools.cache
 def kernels() -> ModuleType:
     """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton)."""
-    from flashattn_triton import _kernels
-
+    try:
+        from flashattn_triton import _kernels
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.partition(".")[0] != "triton":
+            raise
+        raise ModuleNotFoundError(
+            "FlashAttentionTriton needs Triton, which is not installed: CUDA builds of torch bring it; on CPU "
+            "install flashattn-triton[interpret] (and set TRITON_INTERPRET=1), or use flash_attention(...) or "
+            "FlashAttentionTorch.apply(...), which run without it", name=exc.name) from exc
     return _kernels
 
 
