@@ -171,3 +171,67 @@ def test_gqa_without_mask_or_band_runs_the_tuned_kernels_on_stacked_groups(monke
     got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
     for name in NAMES:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+
+
+def _inside_guards(x: torch.Tensor, rows: int = 40) -> torch.Tensor:
+    """x as the middle of a buffer with `rows` NaN rows on each side: a kernel that reads past x's rows
+    brings NaN into its results."""
+    buffer = torch.full((x.shape[0] + 2 * rows, *x.shape[1:]), float("nan"), dtype=x.dtype)
+    buffer[rows : rows + x.shape[0]] = x
+    return buffer[rows : rows + x.shape[0]]
+
+
+@pytest.fixture
+def bounds_checked_launches(monkeypatch):
+    """Every load and store of a feature-kernel launch, on its active lanes, must address one of the
+    launch's tensors (the interpreter does not fault where a GPU would: it reads whatever lies there)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    tensors: list[tuple[int, int]] = []
+
+    def check(ptrs, mask, access):
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape).astype(bool)]
+        inside = np.zeros(addresses.shape, dtype=bool)
+        for start, end in tensors:
+            inside |= (addresses >= start) & (addresses < end)
+        assert inside.all(), f"a {access} outside the launch's tensors at {int(addresses[~inside][0]):#x}"
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def checked_load(self, ptrs, mask, *args):
+        check(ptrs, mask, "load")
+        return load(self, ptrs, mask, *args)
+
+    def checked_store(self, ptrs, value, mask, *args):
+        check(ptrs, mask, "store")
+        return store(self, ptrs, value, mask, *args)
+
+    launch = feature_impl._launch
+
+    def recording_launch(kernel, grid, blocks, *args, **constants):
+        tensors[:] = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                      for t in args if isinstance(t, torch.Tensor) and t.is_contiguous()]  # fmt: skip
+        return launch(kernel, grid, blocks, *args, **constants)
+
+    monkeypatch.setattr(builder, "create_masked_load", checked_load)
+    monkeypatch.setattr(builder, "create_masked_store", checked_store)
+    monkeypatch.setattr(feature_impl, "_launch", recording_launch)
+    tiles = feature_impl.Blocks(32, 16, 1, 1)  # query tiles longer than most of the sequences
+    monkeypatch.setattr(feature_impl, "_blocks", lambda *a: feature_impl.Launches(tiles, tiles, tiles))
+
+
+def test_varlen_stays_inside_its_tensors(bounds_checked_launches):
+    """Short, empty and key-longer sequences, a query sequence longer than its keys, GQA, a band and
+    dropout, tiles larger than most sequences; inputs between NaN guard rows."""
+    lengths_q, lengths_k = [13, 1, 40, 0, 22, 5], [13, 30, 31, 3, 22, 1]
+    generator = torch.Generator().manual_seed(0)
+    q = _inside_guards(torch.randn(sum(lengths_q), 4, 16, generator=generator))
+    k, v = (_inside_guards(torch.randn(sum(lengths_k), 2, 16, generator=generator)) for _ in range(2))
+    cumulative = lambda n: torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    grad_out = _inside_guards(torch.randn(q.shape, generator=generator))
+    for options in ({"is_causal": True}, {"window_size": (4, 2), "dropout_p": 0.2}):
+        args = varlen_op_arguments(q, k, v, cumulative(lengths_q), cumulative(lengths_k), 40, 31,
+                                   enable_gqa=True, **options)  # fmt: skip
+        assert_matches_torch_path(args, grad_out)

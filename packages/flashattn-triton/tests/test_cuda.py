@@ -650,7 +650,9 @@ def test_flash_attention_varlen_captures_in_a_cuda_graph():
                                                       is_causal=True)  # fmt: skip
         return (out, *torch.autograd.grad(out.float().square().sum(), (q, k, v)))
 
-    expected = step()
+    # Detached: a live warm-up graph keeps its AccumulateGrad nodes on the default stream, and the
+    # captured backward would make that stream wait on the capture, which CUDA refuses.
+    expected = [t.detach() for t in step()]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

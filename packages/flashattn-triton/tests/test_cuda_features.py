@@ -105,8 +105,17 @@ def test_feature_kernels_match_float64(case, dtype):
     assert_close(feature_kernels(args, grad_out), float64_torch_path(args, grad_out), dtype)
 
 
+def inside_nan_guards(x: torch.Tensor, rows: int = 300) -> torch.Tensor:
+    """x as the middle of a buffer with NaN rows on each side: reading past x's rows brings NaN in."""
+    buffer = torch.full((x.shape[0] + 2 * rows, *x.shape[1:]), float("nan"), dtype=x.dtype, device=x.device)
+    buffer[rows : rows + x.shape[0]] = x
+    return buffer[rows : rows + x.shape[0]]
+
+
+@pytest.mark.parametrize("options", [{"is_causal": True}, {"window_size": (20, 5)}, {"dropout_p": 0.1}],
+                         ids=["causal", "window", "dropout"])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_varlen_matches_float64(dtype):
+def test_varlen_matches_float64(dtype, options):
     lengths_q, lengths_k = [130, 1, 400, 0, 77], [130, 50, 310, 3, 77]
     generator = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(sum(lengths_q), 8, 64, device="cuda", generator=generator).to(dtype)
@@ -114,13 +123,15 @@ def test_varlen_matches_float64(dtype):
         torch.randn(sum(lengths_k), 2, 64, device="cuda", generator=generator).to(dtype) for _ in range(2)
     )
     grad_out = torch.randn(q.shape, device="cuda", generator=generator).to(dtype)
+    q, k, v, grad_out = (inside_nan_guards(t) for t in (q, k, v, grad_out))
     cumulative = lambda n: torch.tensor(
         [0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
     )  # noqa: E731
-    for options in ({"is_causal": True}, {"window_size": (20, 5)}, {"dropout_p": 0.1}):
-        args = varlen_op_arguments(q, k, v, cumulative(lengths_q), cumulative(lengths_k), 400, 310,
-                                   enable_gqa=True, **options)  # fmt: skip
-        assert_close(feature_kernels(args, grad_out), float64_torch_path(args, grad_out), dtype)
+    args = varlen_op_arguments(q, k, v, cumulative(lengths_q), cumulative(lengths_k), 400, 310,
+                               enable_gqa=True, **options)  # fmt: skip
+    got = feature_kernels(args, grad_out)
+    torch.cuda.synchronize()  # a fault is this case's, not the next test's
+    assert_close(got, float64_torch_path(args, grad_out), dtype)
 
 
 def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_ones(monkeypatch):
@@ -168,6 +179,25 @@ def test_dropout_follows_torch_manual_seed_on_cuda():
     assert not torch.equal(results[0][0], results[2][0])
 
 
+def captured(step):
+    """(step's results run eagerly, its results from the replay of a CUDA graph that captured it). The
+    warm-up runs on a side stream, as torch.cuda.graph asks, and keeps no autograd graph alive: an
+    AccumulateGrad node made before the capture keeps the stream it was made on, and the captured
+    backward would make that stream (the legacy default one) wait on the capturing stream, which CUDA
+    refuses ("operation would make the legacy stream depend on a capturing blocking stream")."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        expected = [t.detach().clone() for t in step()]  # also compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return expected, results, graph
+
+
 def test_feature_call_captured_in_a_cuda_graph_replays_exactly():
     q, k, v, grad_out = qkv(1, 4, 2, 512, 512, 64, torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -176,15 +206,31 @@ def test_feature_call_captured_in_a_cuda_graph_replays_exactly():
         out = flash_attention(*leaves, is_causal=True, enable_gqa=True, window_size=(64, 0))
         return (out, *torch.autograd.grad(out, leaves, grad_out))
 
-    expected = step()  # warm-up: compiles the kernels outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    expected, replayed, _ = captured(step)
+    for got, want in zip(replayed, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_dropout_captured_in_a_cuda_graph_draws_new_masks_on_each_replay():
+    """The (seed, offset) is drawn inside the graph from torch's graph-safe generator: each replay drops
+    other probabilities, and its backward the same ones as its forward: with dO all ones, dV = P_d^T dO
+    holds the column sums c of the dropped probabilities P_d, and the forward's O = P_d V sums to c V."""
+    q, k, v, _ = qkv(1, 2, 2, 256, 256, 64, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ones = torch.ones_like(q)
+
+    def step():
+        out = flash_attention(*leaves, dropout_p=0.3)
+        return (out, *torch.autograd.grad(out, leaves, ones))
+
+    _, replayed, graph = captured(step)
+    first = [t.clone() for t in replayed]
     graph.replay()
     torch.cuda.synchronize()
-    for got, want in zip(captured, expected, strict=True):
-        assert torch.equal(got, want)
+    assert not torch.equal(first[0], replayed[0])
+    for out, dv in ((first[0], first[3]), (replayed[0], replayed[3])):
+        column_sums = dv[..., :1].transpose(-1, -2)  # (.., 1, Tk): every column of dV is the same here
+        torch.testing.assert_close(out.sum(-2, keepdim=True), column_sums @ v, rtol=1e-3, atol=1e-3)
 
 
 def test_flash_attention_varlen_on_cuda_equals_each_sequence_alone():
