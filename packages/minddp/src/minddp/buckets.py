@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -123,3 +125,35 @@ class Bucket:
                 current.copy_(grad)
         self.reduced = self.pending = None
         self.grads = []
+
+
+@dataclasses.dataclass
+class _Filling:
+    """The bucket of one device and dtype being filled, and how many of theirs were filled before it."""
+
+    indices: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    closed: int = 0
+
+
+def assign_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[float]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped into buckets by torch DDP's rule, in the order the buckets fill up.
+
+    As ``torch.distributed._compute_bucket_assignment_by_size``: tensors of one device and dtype
+    join that device and dtype's open bucket in order, and a bucket closes as soon as it holds at
+    least its limit, so every bucket but the last of a device and dtype reaches the limit (a tensor
+    larger than it ends its bucket). The n-th bucket of a device and dtype has limit ``limits[n]``,
+    and the last limit serves for the rest: torch DDP's ``[1 MiB, bucket_cap_mb]`` makes the first
+    bucket small. A limit of 0 gives one tensor per bucket, ``math.inf`` one bucket per device and
+    dtype. Closed buckets come in the order they closed, then the open ones.
+    """
+    closed: list[list[int]] = []
+    filling: dict[tuple[torch.device, torch.dtype], _Filling] = {}
+    for i, t in enumerate(tensors):
+        bucket = filling.setdefault((t.device, t.dtype), _Filling())
+        bucket.indices.append(i)
+        bucket.nbytes += t.numel() * t.element_size()
+        if bucket.nbytes >= limits[min(bucket.closed, len(limits) - 1)]:
+            closed.append(bucket.indices)
+            bucket.indices, bucket.nbytes, bucket.closed = [], 0, bucket.closed + 1
+    return closed + [bucket.indices for bucket in filling.values() if bucket.indices]
