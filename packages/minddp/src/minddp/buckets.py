@@ -72,8 +72,8 @@ class Bucket:
             self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
             self.views = self.slices(self.buffer)
         self.remaining = len(params)  # gradients not yet arrived in this backward pass
-        self.reduced: torch.Tensor | None = None  # the flat tensor being reduced now
-        self.grads: list[torch.Tensor] = []  # each parameter's share of it
+        # The tensor being reduced now: the buffer, or the one parameter's gradient as it is.
+        self.reduced: torch.Tensor | None = None
         self.pending: torch.futures.Future | torch.distributed.Work | None = None
 
     def slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -81,14 +81,16 @@ class Bucket:
         return [flat[o:o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params, strict=True)]
 
     def gather(self) -> torch.Tensor:
-        """The flat tensor to reduce, holding every gradient (zeros where a parameter has none)."""
+        """The tensor to reduce, holding every gradient (zeros where a parameter has none): the buffer, or
+        the gradient of a bucket's one parameter (run once per bucket and step, so the second is quick)."""
         if self.buffer is None:
-            p = self.params[0]
-            self.grads = [p.grad if p.grad is not None else torch.zeros_like(p)]
-            self.reduced = self.grads[0].view(-1)
+            grad = self.params[0].grad
+            self.reduced = grad if grad is not None else torch.zeros_like(self.params[0])
             return self.reduced
         for p, view in zip(self.params, self.views, strict=True):
             grad = p.grad
+            if grad is view:  # autograd accumulated into the view (the same tensor object): nothing to do
+                continue
             if grad is None:
                 view.zero_()
             elif grad.data_ptr() != view.data_ptr():
@@ -96,14 +98,17 @@ class Bucket:
                 view.copy_(grad)
                 if self.as_view:
                     p.grad = view
-        self.grads = self.views
         self.reduced = self.buffer
         return self.buffer
 
-    def for_hook(self, flat: torch.Tensor, is_last: bool) -> GradBucket:
-        """This bucket as a communication hook sees it, with ``flat`` as its buffer."""
-        return GradBucket(self.index, flat, self.grads if flat is self.reduced else self.slices(flat),
-                          self.params, is_last)
+    def grads(self) -> list[torch.Tensor]:
+        """Each parameter's share of the tensor being reduced."""
+        return self.views if self.buffer is not None else [self.reduced]
+
+    def for_hook(self, reduced: torch.Tensor, is_last: bool) -> GradBucket:
+        """This bucket as a communication hook sees it, with ``reduced`` (flattened) as its buffer."""
+        return GradBucket(self.index, reduced.view(-1), self.grads() if reduced is self.reduced
+                          else self.slices(reduced), self.params, is_last)
 
     def scatter(self, result: torch.Tensor, used: list[bool] | None) -> None:
         """Make the reduced ``result`` the gradients; a parameter without one gets it where ``used`` says so.
@@ -111,20 +116,22 @@ class Bucket:
         ``used`` is indexed like the wrapper's parameters; ``None`` counts every parameter as used.
         """
         reduced = self.reduced
-        if result.data_ptr() != reduced.data_ptr() or result.dtype != reduced.dtype:  # not reduced in place
+        if result is not reduced and (result.data_ptr() != reduced.data_ptr()
+                                      or result.dtype != reduced.dtype):  # a hook's, not reduced in place
             if result.numel() != reduced.numel():
                 raise ValueError(f"the communication hook returned {result.numel()} elements for bucket "
                                  f"{self.index} of {reduced.numel()} (parameters {', '.join(self.names)})")
-            reduced.copy_(result.reshape(-1))
-        for p, grad, index in zip(self.params, self.grads, self.indices, strict=True):
+            reduced.copy_(result.reshape(reduced.shape))
+        for p, grad, index in zip(self.params, self.grads(), self.indices, strict=True):
             current = p.grad
+            if current is grad:
+                continue
             if current is None:
                 if used is None or used[index]:
                     p.grad = grad if self.as_view or self.buffer is None else grad.clone()
             elif current.data_ptr() != grad.data_ptr():
                 current.copy_(grad)
         self.reduced = self.pending = None
-        self.grads = []
 
 
 @dataclasses.dataclass
