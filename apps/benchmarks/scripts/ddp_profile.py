@@ -38,9 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
-from minddp import make_ddp
+from minddp import make_ddp, reducer
 from minddp.launch import free_port
-from minddp.reducer import Reducer
 
 CONFIGS = ["single", "naive", "flat", "overlap", "bucketed", "torch"]  # naive..bucketed: minddp's strategies
 
@@ -58,23 +57,24 @@ class HookClock:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        originals = Reducer.grad_ready, Reducer.finish
-        Reducer.grad_ready = self._timed("hooks", originals[0])
-        Reducer.finish = self._timed("callback", originals[1])
+        """Times the hooks of the wrappers built inside, and every reducer's callback."""
+        originals = reducer._grad_ready_hook, reducer.Reducer.finish
+        reducer._grad_ready_hook = lambda *args: self._timed("hooks", originals[0](*args))
+        reducer.Reducer.finish = self._timed("callback", originals[1])
         try:
             yield
         finally:
-            Reducer.grad_ready, Reducer.finish = originals
+            reducer._grad_ready_hook, reducer.Reducer.finish = originals
 
     def reset(self) -> None:
         for key in self.seconds:
             self.seconds[key], self.calls[key] = 0.0, 0
 
-    def _timed(self, key: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, key: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
             start = time.perf_counter()
             with torch.profiler.record_function(f"minddp.{key}"):
-                result = method(*args)
+                result = function(*args)
             self.seconds[key] += time.perf_counter() - start
             self.calls[key] += 1
             return result

@@ -61,12 +61,45 @@ def test_a_dropped_wrapper_leaves_no_hooks(single_rank_group):
     step(again, torch.optim.SGD(again.parameters(), lr=0.1), set_to_none=True)
 
 
-def test_first_bucket_holds_at_most_one_mib_and_the_rest_fill_up(single_rank_group):
+def torch_ddp_buckets(model: nn.Module, limits: list[int]) -> list[list[str]]:
+    """The buckets torch DDP builds for ``model``'s trainable parameters, by name, when backward produces
+    their gradients in reverse order (its buckets after the first iteration)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+    buckets, _ = dist._compute_bucket_assignment_by_size([p for _, p in named], limits, [],
+                                                         list(range(len(named))))
+    return [[named[i][0] for i in bucket] for bucket in buckets]
+
+
+def mixed_sizes() -> nn.Module:
+    # 1 MiB, 0.5 MiB and 2 MiB weights, small biases, a frozen layer, an fp16 layer between fp32 ones.
+    return nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 256), nn.Linear(256, 512).half(),
+                         nn.Linear(512, 1024), nn.Linear(1024, 8).requires_grad_(False), nn.Linear(8, 1024))
+
+
+@pytest.mark.parametrize("size_mb", ["default", 0, 0.25, 0.5, 1, 1.5, 3, 25])
+def test_buckets_are_torch_ddps(single_rank_group, size_mb):
+    model = mixed_sizes()
+    if size_mb == "default":  # torch's first bucket closes at 1 MiB, the others at 25 MiB
+        ours = BucketedDDP(model).bucket_names
+        assert ours == BucketedDDP(model, bucket_cap_mb=None).bucket_names
+        theirs = torch_ddp_buckets(model, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20])
+    else:  # a size given applies to every bucket
+        ours = BucketedDDP(model, bucket_cap_mb=size_mb).bucket_names
+        assert ours == BucketedDDP(model, bucket_size_mb=size_mb).bucket_names
+        theirs = torch_ddp_buckets(model, [int(size_mb * 2**20)])
+    # torch lists the buckets still open at the end in no fixed order between dtypes; we in order.
+    assert sorted(ours) == sorted(theirs)
+    assert ours[:-2] == theirs[:-2]
+
+
+def test_a_bucket_closes_once_it_reaches_the_size(single_rank_group):
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # weights of exactly 1 MiB
     reverse = ["1.bias", "1.weight", "0.bias", "0.weight"]
-    assert BucketedDDP(model, bucket_size_mb=25).bucket_names == [reverse[:1], reverse[1:]]
+    assert BucketedDDP(model).bucket_names == [reverse[:2], reverse[2:]]  # the first closes at 1 MiB
+    assert BucketedDDP(model, bucket_size_mb=25).bucket_names == [reverse]
+    assert BucketedDDP(model, bucket_size_mb=0.5).bucket_names == [reverse[:2], reverse[2:]]
     assert BucketedDDP(model, bucket_size_mb=None).bucket_names == [reverse]
-    assert len(BucketedDDP(model, bucket_size_mb=0.5).bucket_names) == 4
+    assert len(BucketedDDP(model, bucket_size_mb=0).bucket_names) == 4
 
 
 @pytest.mark.parametrize("strategy, during_backward", [("naive", False), ("flat", False), ("overlap", True),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp import make_ddp
-from minddp.collectives import group_by_size
+from minddp.buckets import assign_buckets
 
 STEPS = 3
 PER_RANK = 4
@@ -94,10 +94,10 @@ def uses_branch(rank: int, world_size: int, step: int) -> bool:
 
 
 def two_bucket_size_mb(model: nn.Module) -> float:
-    """A bucket size that splits the trainable parameters (in reverse order) into exactly two buckets."""
-    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad][::-1]
-    half = len(sizes) // 2
-    return max(sum(sizes[:half]), sum(sizes[half:])) / 2**20
+    """A bucket size that splits the trainable parameters (in reverse order) into exactly two buckets: the
+    first closes when it holds all but the first parameter, which is left for the second."""
+    sizes = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    return sum(sizes[1:]) / 2**20
 
 
 def batch(step: int, micro: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +193,8 @@ def test_buckets_hold_each_trainable_parameter_once(reports, name, model_name):
     assert in_buckets[0] == report["trainable"][-1], "buckets must follow reverse parameter order"
 
 
-def test_two_bucket_size_is_exact():
-    model = SometimesBranch()
-    params = [p for p in model.parameters()][::-1]
-    assert len(group_by_size(params, two_bucket_size_mb(model) * 2**20)) == 2
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_two_bucket_size_is_exact(model_name):
+    model = MODELS[model_name]()
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    assert len(assign_buckets(params, [int(two_bucket_size_mb(model) * 2**20)])) == 2

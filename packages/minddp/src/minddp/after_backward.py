@@ -13,7 +13,7 @@ class NaiveDDP(DataParallel):
     Takes torch DDP's arguments (see :class:`~minddp.base.DataParallel`).
     """
 
-    max_bucket_bytes = 0
+    bucket_limits = (0,)
 
 
 class FlatDDP(DataParallel):
@@ -24,4 +24,4 @@ class FlatDDP(DataParallel):
     of a copy in and out). Takes torch DDP's arguments (see :class:`~minddp.base.DataParallel`).
     """
 
-    max_bucket_bytes = math.inf
+    bucket_limits = (math.inf,)

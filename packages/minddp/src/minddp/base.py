@@ -16,16 +16,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from minddp.collectives import all_gather_objects, backend_per_device_type, broadcast_coalesced, group_by_size
+from minddp.buckets import assign_buckets
+from minddp.collectives import all_gather_objects, backend_per_device_type, broadcast_coalesced
 from minddp.reducer import CommHook, Reducer
 
 # Backends whose all-reduce can average in place (ReduceOp.AVG); the others get a pre-scaled SUM.
 _BACKENDS_WITH_AVG = {"nccl"}
-# As in torch DDP, the first bucket is small so that communication starts with backward's first gradients.
-FIRST_BUCKET_MB = 1.0
+# torch DDP's dist._DEFAULT_FIRST_BUCKET_BYTES: with the default bucket size the first bucket closes at
+# 1 MiB, so that communication starts with backward's first gradients.
+FIRST_BUCKET_BYTES = 2**20
 MiB = 2**20
 
-__all__ = ["DataParallel", "group_by_size"]
+__all__ = ["DataParallel"]
 
 
 class DataParallel(nn.Module, Joinable):
@@ -33,8 +35,8 @@ class DataParallel(nn.Module, Joinable):
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel``: its arguments have torch's
     meaning, and ``loss.backward()`` returns with every ``.grad`` averaged over the ranks.
-    A strategy (subclass) sets the buckets (:attr:`max_bucket_bytes`, :attr:`first_bucket_bytes`)
-    and whether they are reduced during backward or after it (:attr:`overlap`).
+    A strategy (subclass) sets the buckets (:attr:`bucket_limits`) and whether they are reduced
+    during backward or after it (:attr:`overlap`).
 
     At construction it checks that every rank holds the same parameters and buffers (names,
     shapes, dtypes, ``requires_grad``) on devices the group's backend can serve, and wraps them
@@ -58,10 +60,10 @@ class DataParallel(nn.Module, Joinable):
             buffer (no copy out after averaging); ``False`` copies.
     """
 
-    #: The largest bucket in bytes (0: one parameter per bucket; inf: one bucket per device and dtype).
-    max_bucket_bytes: float = math.inf
-    #: The first bucket's limit, where it differs.
-    first_bucket_bytes: float | None = None
+    #: The bytes at which a bucket closes (torch's rule, see :func:`~minddp.buckets.assign_buckets`): the
+    #: first bucket's, the second's, ..., the last serving for the rest. (0,): one parameter per bucket;
+    #: (inf,): one bucket per device and dtype.
+    bucket_limits: tuple[float, ...] = (math.inf,)
     #: Reduce each bucket as soon as backward has produced it, rather than after backward.
     overlap: bool = False
 
@@ -90,9 +92,9 @@ class DataParallel(nn.Module, Joinable):
         # parameters() yields a tied tensor once, so tied parameters are communicated once.
         named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named_params]
-        reverse_groups = group_by_size(params[::-1], self.max_bucket_bytes, self.first_bucket_bytes)
-        index = {id(p): i for i, p in enumerate(params)}
-        buckets = [[index[id(p)] for p in group] for group in reverse_groups]
+        # Buckets fill in reverse parameter order, roughly the order backward produces gradients.
+        last = len(params) - 1
+        buckets = [[last - i for i in bucket] for bucket in assign_buckets(params[::-1], self.bucket_limits)]
         self._check_same_on_every_rank(buckets)
 
         self._comm_device = self._device_for_collectives(first=next(iter([*params, *module.buffers()]), None))
@@ -291,16 +293,16 @@ class _DataParallelJoinHook(JoinHook):
         ddp._broadcast_from(ddp._common_rank(is_last_joiner), [*ddp.module.parameters(), *buffers])
 
 
-def bucket_bytes(bucket_size_mb: float | None,
-                 argument: str = "bucket_size_mb") -> tuple[float, float | None]:
-    """(bucket limit, first bucket limit) in bytes for a bucket size in MiB; ``None``: one bucket."""
+def bucket_limits(bucket_size_mb: float | None, argument: str, default: bool) -> tuple[float, ...]:
+    """:attr:`DataParallel.bucket_limits` for a bucket size in MiB, as torch DDP sets them: the size in
+    whole bytes, after a first bucket of 1 MiB where the size is the ``default``; ``None``: one bucket."""
     if bucket_size_mb is None:
-        return math.inf, None
+        return (math.inf,)
     if isinstance(bucket_size_mb, bool) or not (isinstance(bucket_size_mb, (int, float))
                                                 and 0 <= bucket_size_mb < math.inf):
         raise ValueError(f"{argument} must be a non-negative number of MiB or None, got {bucket_size_mb!r}")
-    cap = bucket_size_mb * MiB
-    return cap, min(cap, FIRST_BUCKET_MB * MiB)
+    cap = int(bucket_size_mb * MiB)
+    return (min(cap, FIRST_BUCKET_BYTES), cap) if default else (cap,)
 
 
 def _check_device_ids(module: nn.Module, device_ids: Sequence[int | torch.device] | None,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -70,8 +72,8 @@ class Bucket:
             self.buffer = torch.zeros(self.numel, dtype=params[0].dtype, device=params[0].device)
             self.views = self.slices(self.buffer)
         self.remaining = len(params)  # gradients not yet arrived in this backward pass
-        self.reduced: torch.Tensor | None = None  # the flat tensor being reduced now
-        self.grads: list[torch.Tensor] = []  # each parameter's share of it
+        # The tensor being reduced now: the buffer, or the one parameter's gradient as it is.
+        self.reduced: torch.Tensor | None = None
         self.pending: torch.futures.Future | torch.distributed.Work | None = None
 
     def slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -79,14 +81,16 @@ class Bucket:
         return [flat[o:o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params, strict=True)]
 
     def gather(self) -> torch.Tensor:
-        """The flat tensor to reduce, holding every gradient (zeros where a parameter has none)."""
+        """The tensor to reduce, holding every gradient (zeros where a parameter has none): the buffer, or
+        the gradient of a bucket's one parameter (run once per bucket and step, so the second is quick)."""
         if self.buffer is None:
-            p = self.params[0]
-            self.grads = [p.grad if p.grad is not None else torch.zeros_like(p)]
-            self.reduced = self.grads[0].view(-1)
+            grad = self.params[0].grad
+            self.reduced = grad if grad is not None else torch.zeros_like(self.params[0])
             return self.reduced
         for p, view in zip(self.params, self.views, strict=True):
             grad = p.grad
+            if grad is view:  # autograd accumulated into the view (the same tensor object): nothing to do
+                continue
             if grad is None:
                 view.zero_()
             elif grad.data_ptr() != view.data_ptr():
@@ -94,14 +98,17 @@ class Bucket:
                 view.copy_(grad)
                 if self.as_view:
                     p.grad = view
-        self.grads = self.views
         self.reduced = self.buffer
         return self.buffer
 
-    def for_hook(self, flat: torch.Tensor, is_last: bool) -> GradBucket:
-        """This bucket as a communication hook sees it, with ``flat`` as its buffer."""
-        return GradBucket(self.index, flat, self.grads if flat is self.reduced else self.slices(flat),
-                          self.params, is_last)
+    def grads(self) -> list[torch.Tensor]:
+        """Each parameter's share of the tensor being reduced."""
+        return self.views if self.buffer is not None else [self.reduced]
+
+    def for_hook(self, reduced: torch.Tensor, is_last: bool) -> GradBucket:
+        """This bucket as a communication hook sees it, with ``reduced`` (flattened) as its buffer."""
+        return GradBucket(self.index, reduced.view(-1), self.grads() if reduced is self.reduced
+                          else self.slices(reduced), self.params, is_last)
 
     def scatter(self, result: torch.Tensor, used: list[bool] | None) -> None:
         """Make the reduced ``result`` the gradients; a parameter without one gets it where ``used`` says so.
@@ -109,17 +116,51 @@ class Bucket:
         ``used`` is indexed like the wrapper's parameters; ``None`` counts every parameter as used.
         """
         reduced = self.reduced
-        if result.data_ptr() != reduced.data_ptr() or result.dtype != reduced.dtype:  # not reduced in place
+        if result is not reduced and (result.data_ptr() != reduced.data_ptr()
+                                      or result.dtype != reduced.dtype):  # a hook's, not reduced in place
             if result.numel() != reduced.numel():
                 raise ValueError(f"the communication hook returned {result.numel()} elements for bucket "
                                  f"{self.index} of {reduced.numel()} (parameters {', '.join(self.names)})")
-            reduced.copy_(result.reshape(-1))
-        for p, grad, index in zip(self.params, self.grads, self.indices, strict=True):
+            reduced.copy_(result.reshape(reduced.shape))
+        for p, grad, index in zip(self.params, self.grads(), self.indices, strict=True):
             current = p.grad
+            if current is grad:
+                continue
             if current is None:
                 if used is None or used[index]:
                     p.grad = grad if self.as_view or self.buffer is None else grad.clone()
             elif current.data_ptr() != grad.data_ptr():
                 current.copy_(grad)
         self.reduced = self.pending = None
-        self.grads = []
+
+
+@dataclasses.dataclass
+class _Filling:
+    """The bucket of one device and dtype being filled, and how many of theirs were filled before it."""
+
+    indices: list[int] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+    closed: int = 0
+
+
+def assign_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[float]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped into buckets by torch DDP's rule, in the order the buckets fill up.
+
+    As ``torch.distributed._compute_bucket_assignment_by_size``: tensors of one device and dtype
+    join that device and dtype's open bucket in order, and a bucket closes as soon as it holds at
+    least its limit, so every bucket but the last of a device and dtype reaches the limit (a tensor
+    larger than it ends its bucket). The n-th bucket of a device and dtype has limit ``limits[n]``,
+    and the last limit serves for the rest: torch DDP's ``[1 MiB, bucket_cap_mb]`` makes the first
+    bucket small. A limit of 0 gives one tensor per bucket, ``math.inf`` one bucket per device and
+    dtype. Closed buckets come in the order they closed, then the open ones.
+    """
+    closed: list[list[int]] = []
+    filling: dict[tuple[torch.device, torch.dtype], _Filling] = {}
+    for i, t in enumerate(tensors):
+        bucket = filling.setdefault((t.device, t.dtype), _Filling())
+        bucket.indices.append(i)
+        bucket.nbytes += t.numel() * t.element_size()
+        if bucket.nbytes >= limits[min(bucket.closed, len(limits) - 1)]:
+            closed.append(bucket.indices)
+            bucket.indices, bucket.nbytes, bucket.closed = [], 0, bucket.closed + 1
+    return closed + [bucket.indices for bucket in filling.values() if bucket.indices]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minddp.base import DataParallel, bucket_bytes
+from minddp.base import DataParallel, bucket_limits
 
 
 class OverlapDDP(DataParallel):
@@ -24,7 +24,7 @@ class OverlapDDP(DataParallel):
     :class:`~minddp.base.DataParallel`).
     """
 
-    max_bucket_bytes = 0
+    bucket_limits = (0,)
     overlap = True
 
 
@@ -36,15 +36,18 @@ DEFAULT_BUCKET_MB = _DefaultBucketSize(25.0)
 
 
 class BucketedDDP(DataParallel):
-    """Gradients grouped in reverse parameter order into buckets of at most ``bucket_size_mb``,
-    each all-reduced asynchronously as soon as its last gradient arrives.
+    """Gradients grouped in reverse parameter order into buckets of ``bucket_size_mb``, each
+    all-reduced asynchronously as soon as its last gradient arrives.
 
-    A parameter larger than the bucket size gets a bucket of its own. As in torch DDP, the first
-    bucket holds at most 1 MiB, so communication starts with backward's first gradients rather
-    than after a bucket's worth of them. ``bucket_size_mb`` is in MiB (2**20 bytes); torch's name
-    for it, ``bucket_cap_mb``, is accepted too (``None`` there means the default, 25, as in torch).
-    ``bucket_size_mb=None`` puts every gradient in one bucket, ``0`` every parameter in its own.
-    Takes torch DDP's other arguments (see :class:`~minddp.base.DataParallel`).
+    Buckets follow torch DDP's rule: a bucket closes once it holds at least ``bucket_size_mb``,
+    so each reaches the size but the last (a parameter larger than the size ends its bucket).
+    With the default size, the first bucket closes at 1 MiB, as in torch DDP, so communication
+    starts with backward's first gradients rather than after a bucket's worth of them; a size
+    the caller gives applies to the first bucket too (torch does the same). ``bucket_size_mb``
+    is in MiB (2**20 bytes); torch's name for it, ``bucket_cap_mb``, is accepted too (``None``
+    there means the default, 25, as in torch). ``bucket_size_mb=None`` puts every gradient in
+    one bucket, ``0`` every parameter in its own. Takes torch DDP's other arguments (see
+    :class:`~minddp.base.DataParallel`).
     """
 
     overlap = True
@@ -58,10 +61,11 @@ class BucketedDDP(DataParallel):
             if not isinstance(bucket_size_mb, _DefaultBucketSize):
                 raise ValueError(f"give bucket_size_mb ({bucket_size_mb!r}) or its torch name bucket_cap_mb "
                                  f"({bucket_cap_mb!r}), not both")
-            self.max_bucket_bytes, self.first_bucket_bytes = bucket_bytes(bucket_cap_mb, "bucket_cap_mb")
+            self.bucket_limits = bucket_limits(bucket_cap_mb, "bucket_cap_mb", default=False)
             bucket_size_mb = bucket_cap_mb
         else:
-            self.max_bucket_bytes, self.first_bucket_bytes = bucket_bytes(bucket_size_mb)
+            self.bucket_limits = bucket_limits(bucket_size_mb, "bucket_size_mb",
+                                               default=isinstance(bucket_size_mb, _DefaultBucketSize))
         self.bucket_size_mb = None if bucket_size_mb is None else float(bucket_size_mb)
         super().__init__(module, device_ids, output_device, process_group=process_group,
                          broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,

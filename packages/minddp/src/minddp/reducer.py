@@ -11,7 +11,6 @@ averaged gradients, as with torch DDP.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +55,7 @@ class Reducer:
         self.reset()
         # The hooks hold the reducer weakly, and go away with it: a dropped wrapper leaves no hooks behind.
         this = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, bucket, i))
+        handles = [p.register_post_accumulate_grad_hook(_grad_ready_hook(this, bucket, i))
                    for bucket in self.buckets for p, i in zip(bucket.params, bucket.indices, strict=True)]
         weakref.finalize(self, _remove_hooks, handles)
 
@@ -84,21 +83,24 @@ class Reducer:
         """A forward under ``no_sync()``: its backward accumulates gradients without communicating."""
         self.averaged = False
 
-    def grad_ready(self, bucket: Bucket, index: int) -> None:
+    def first_gradient(self, index: int) -> bool:
+        """The first gradient of a backward pass (parameter ``index``'s): whether this backward's gradients
+        are to be averaged; if so, the averaging is queued for its end."""
         if not self.expecting:
             if self.averaged:
                 raise RuntimeError(
                     f"parameter {self.names[index]!r} got a second gradient after this iteration's "
                     "gradients were averaged: run forward again before another backward, or, to "
                     "accumulate several backward passes, run all but the last forward inside no_sync()")
-            return
+            return False
         self.queue_finish()
-        self.arrived[index] = True
-        bucket.remaining -= 1
-        if self.overlap and bucket.remaining == 0 and bucket.index == self.next_to_launch:
-            buckets = self.buckets
-            while self.next_to_launch < len(buckets) and buckets[self.next_to_launch].remaining == 0:
-                self.launch(buckets[self.next_to_launch])
+        return True
+
+    def launch_ready(self) -> None:
+        """Launch, in order, the complete buckets that are next (the hooks call it when one completes)."""
+        buckets = self.buckets
+        while self.next_to_launch < len(buckets) and buckets[self.next_to_launch].remaining == 0:
+            self.launch(buckets[self.next_to_launch])
 
     def queue_finish(self) -> None:
         """Have the backward pass now running average the gradients before it returns (once per pass)."""
@@ -187,10 +189,23 @@ class Reducer:
         dist.all_reduce(counts, group=self.process_group)
 
 
-def _grad_ready(reducer: weakref.ref[Reducer], bucket: Bucket, index: int, _param: torch.Tensor) -> None:
-    alive = reducer()
-    if alive is not None:
-        alive.grad_ready(bucket, index)
+def _grad_ready_hook(reducer: weakref.ref[Reducer], bucket: Bucket,
+                     index: int) -> Callable[[torch.Tensor], None]:
+    """Parameter ``index``'s post-accumulate-grad hook: counts its gradient in, launches what that completes.
+
+    It runs once per parameter per backward pass, so it does as little as it can: after the
+    pass's first gradient (:meth:`Reducer.first_gradient`), a flag, a store and a counter.
+    """
+    def grad_ready(_param: torch.Tensor) -> None:
+        alive = reducer()
+        if alive is None or not (alive.finish_queued or alive.first_gradient(index)):
+            return
+        alive.arrived[index] = True
+        bucket.remaining -= 1
+        if bucket.remaining == 0 and alive.overlap and bucket.index == alive.next_to_launch:
+            alive.launch_ready()
+
+    return grad_ready
 
 
 def _remove_hooks(handles: list[torch.utils.hooks.RemovableHandle]) -> None:
