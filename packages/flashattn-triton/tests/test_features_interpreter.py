@@ -11,11 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
-
-def test_feature_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
+def test_feature_kernels_under_the_interpreter(triton_interpreter):
     here = Path(__file__).parent
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
                "--rootdir", str(here), "-o", "addopts=", str(here / "interpreted_features.py")]  # fmt: skip

@@ -18,11 +18,7 @@ from flashattn_triton import FlashAttentionTriton
 from flashattn_triton._launcher import interpreted
 
 
-def test_triton_kernels_under_the_interpreter():
-    triton = pytest.importorskip("triton")
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip("the interpreter of Triton < 3.9 fails on these kernels' tensor descriptors (seen "
-                    "with 3.6: 'only 0-dimensional arrays can be converted to Python scalars'); CI has 3.9")
+def test_triton_kernels_under_the_interpreter(triton_interpreter):
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(

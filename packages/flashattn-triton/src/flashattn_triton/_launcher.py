@@ -38,9 +38,9 @@ def kernels() -> ModuleType:
         if exc.name is None or exc.name.partition(".")[0] != "triton":
             raise
         raise ModuleNotFoundError(
-            "FlashAttentionTriton needs Triton, which is not installed: CUDA builds of torch bring it; on CPU "
-            "install flashattn-triton[interpret] (and set TRITON_INTERPRET=1), or use flash_attention(...) or "
-            "FlashAttentionTorch.apply(...), which run without it", name=exc.name) from exc
+            "FlashAttentionTriton needs Triton, which is not installed: CUDA builds of torch bring it; on "
+            "CPU install flashattn-triton[interpret] (and set TRITON_INTERPRET=1), or use flash_attention() "
+            "or FlashAttentionTorch.apply(), which run without it", name=exc.name) from exc
     return _kernels
 
 

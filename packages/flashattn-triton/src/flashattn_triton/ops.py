@@ -42,12 +42,15 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
 causal attention, and for grouped-query attention without mask or band (its groups stacked along T), and
-the feature kernels (feature_impl, whose backward has no atomics) for everything else.
+for everything else the feature kernels (feature_impl, whose backward has no atomics) under the
+interpreter; on CUDA those problems take the PyTorch path until the feature kernels pass there
+(FLASHATTN_TRITON_FEATURE_KERNELS=1 runs them, see _feature_kernels_on_gpu).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -112,7 +115,14 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
         return "tuned"
     if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
         return "stacked"
-    return "features"
+    return "features" if q.device.type == "cpu" or _feature_kernels_on_gpu() else "torch"
+
+
+def _feature_kernels_on_gpu() -> bool:
+    """The feature kernels pass under the interpreter but hit an illegal memory access on an H100 (varlen's
+    backward among others, torch 2.11 + Triton 3.6): on CUDA the PyTorch path serves their problems unless
+    FLASHATTN_TRITON_FEATURE_KERNELS=1 asks for them (to test and measure them)."""
+    return os.environ.get("FLASHATTN_TRITON_FEATURE_KERNELS") == "1"
 
 
 def _stacked(x: Tensor, kv_heads: int) -> Tensor:

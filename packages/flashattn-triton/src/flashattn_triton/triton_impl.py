@@ -195,8 +195,8 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
              config: ForwardConfig | None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:
     """triton_forward's (O, L) and the plan that made them (its scale is the one used)."""
-    check_device(q)
     plan = _plan("fwd", q, (q, k, v), is_causal, scale, config)  # (checks a layout's first inputs)
+    check_device(q)
     kernels = _launcher.kernels()
     scale = plan.scale
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
