@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from minddp.collectives import all_gather_objects
 from minddp.fsdp_comm import FlatCollectives, PendingReduce
 from minddp.fsdp_unit import FlatUnit, ParamSlot
 
@@ -423,7 +424,7 @@ def _checked(state_dict: dict[str, torch.Tensor], key: str, shape: torch.Size) -
 
 def _check_same_model_on_every_rank(module: nn.Module, unit_modules: dict[str, nn.Module],
                                     devices: set[torch.device], group: dist.ProcessGroup) -> None:
-    """Raise the same error on every rank if a rank's model differs from rank 0's (one all_gather_object)."""
+    """Raise the same error on every rank if a rank's model differs from rank 0's (one object all-gather)."""
     problem = None
     if len({d.type for d in devices}) > 1 or len(devices) > 1:
         problem = f"module: parameters and buffers are on several devices ({sorted(map(str, devices))}); " \
@@ -432,8 +433,8 @@ def _check_same_model_on_every_rank(module: nn.Module, unit_modules: dict[str, n
                  for n, p in module.named_parameters()]
     signature += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
     signature += [f"unit {n} ({type(m).__name__})" for n, m in unit_modules.items()]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (problem, signature), group=group)
+    comm_device = min(devices, key=str) if devices else torch.device("cpu")  # where the collectives run
+    gathered = all_gather_objects((problem, signature), group, comm_device)
     for rank, (rank_problem, _) in enumerate(gathered):
         if rank_problem:
             raise ValueError(f"rank {rank}: {rank_problem}")
