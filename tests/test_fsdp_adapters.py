@@ -20,8 +20,6 @@ import copy
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -167,30 +165,13 @@ def worker(results_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def outcomes(
+    tmp_path_factory: pytest.TempPathFactory,
+    run_under_torchrun: Callable[..., dict[str, str]],
+) -> dict[str, str]:
     """Run this file on 2 ranks under torchrun (killed whole after 150 s); {case: 'ok' or why not}."""
     results_dir = tmp_path_factory.mktemp("fsdp_adapters")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD_SIZE}", __file__, str(results_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        log, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-    per_rank = [json.loads(p.read_text()) if p.exists() else {}
-                for p in (results_dir / f"rank{r}.json" for r in range(WORLD_SIZE))]
-    outcomes = {}
-    for case in CASES:
-        failures = [f"rank {r}: {results[case]}" for r, results in enumerate(per_rank)
-                    if results.get(case, "ok") != "ok"]
-        unfinished = [r for r, results in enumerate(per_rank) if case not in results]
-        if unfinished and not failures:
-            failures = [f"ranks {unfinished} did not finish (torchrun exit code {process.returncode}):\n"
-                        f"{log[-6000:]}"]
-        outcomes[case] = "\n".join(failures) or "ok"
-    return outcomes
+    return run_under_torchrun(__file__, results_dir, CASES, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -14,8 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -98,30 +96,10 @@ def worker(results_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, str]:
+def outcomes(tmp_path_factory, run_under_torchrun) -> dict[str, str]:
     """Run this file on 2 ranks under torchrun (killed whole after 150 s); {strategy: 'ok' or why not}."""
     results_dir = tmp_path_factory.mktemp("shardopt_with_minddp")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD_SIZE}", __file__, str(results_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        log, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-    per_rank = [json.loads(p.read_text()) if p.exists() else {}
-                for p in (results_dir / f"rank{r}.json" for r in range(WORLD_SIZE))]
-    outcomes = {}
-    for strategy in STRATEGIES:
-        failures = [f"rank {r}: {results[strategy]}" for r, results in enumerate(per_rank)
-                    if results.get(strategy, "ok") != "ok"]
-        unfinished = [r for r, results in enumerate(per_rank) if strategy not in results]
-        if unfinished and not failures:
-            ending = f"torchrun exit code {process.returncode}"
-            failures = [f"ranks {unfinished} did not finish ({ending}):\n{log[-6000:]}"]
-        outcomes[strategy] = "\n".join(failures) or "ok"
-    return outcomes
+    return run_under_torchrun(__file__, results_dir, STRATEGIES, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
