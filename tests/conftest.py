@@ -1,16 +1,41 @@
-"""Fixtures shared by the cross-package tests."""
+"""What the cross-package tests share: the two halves of a test file that is also its own torchrun worker.
+The file's pytest side runs it through the run_under_torchrun fixture; its worker side (run as a script,
+with tests/ on sys.path) calls run_cases_on_this_rank, which writes the RESULTS_DIR/rank{r}.json files
+the fixture reads."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+
+def run_cases_on_this_rank(results_dir: Path, cases: dict[str, Callable[[], None]]) -> None:
+    """On each torchrun rank (gloo): run cases in order, recording 'ok' or the traceback of each in
+    RESULTS_DIR/rank{r}.json; the first failure ends the process, so that torchrun stops the other
+    ranks, which may be waiting in a collective."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    results: dict[str, str] = {}
+    out = results_dir / f"rank{dist.get_rank()}.json"
+    for name, case in cases.items():
+        try:
+            case()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+            out.write_text(json.dumps(results))
+            os._exit(1)
+        out.write_text(json.dumps(results))
+    dist.destroy_process_group()
 
 
 def _run_under_torchrun(

@@ -17,11 +17,7 @@ This file is also the worker: pytest runs it under torchrun (``python -m torch.d
 from __future__ import annotations
 
 import copy
-import datetime
-import json
-import os
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -149,19 +145,9 @@ CASES: dict[str, Callable[[], None]] = {
 
 
 def worker(results_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results: dict[str, str] = {}
-    out = results_dir / f"rank{dist.get_rank()}.json"
-    for name, case in CASES.items():
-        try:
-            case()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            out.write_text(json.dumps(results))
-            os._exit(1)  # torchrun stops the other rank, which may be waiting in a collective
-        out.write_text(json.dumps(results))
-    dist.destroy_process_group()
+    from conftest import run_cases_on_this_rank
+
+    run_cases_on_this_rank(results_dir, CASES)
 
 
 @pytest.fixture(scope="module")

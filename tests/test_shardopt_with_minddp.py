@@ -11,11 +11,8 @@ This file is also the worker: pytest runs it under torchrun (``python -m torch.d
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
+import functools
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -80,19 +77,9 @@ def train_both_ways(strategy: str) -> None:
 
 
 def worker(results_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results: dict[str, str] = {}
-    out = results_dir / f"rank{dist.get_rank()}.json"
-    for strategy in STRATEGIES:
-        try:
-            train_both_ways(strategy)
-            results[strategy] = "ok"
-        except Exception:
-            results[strategy] = traceback.format_exc()
-            out.write_text(json.dumps(results))
-            os._exit(1)  # torchrun stops the other rank, which may be waiting in a collective
-        out.write_text(json.dumps(results))
-    dist.destroy_process_group()
+    from conftest import run_cases_on_this_rank
+
+    run_cases_on_this_rank(results_dir, {s: functools.partial(train_both_ways, s) for s in STRATEGIES})
 
 
 @pytest.fixture(scope="module")
