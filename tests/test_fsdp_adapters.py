@@ -17,13 +17,7 @@ This file is also the worker: pytest runs it under torchrun (``python -m torch.d
 from __future__ import annotations
 
 import copy
-import datetime
-import json
-import os
-import signal
-import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -151,46 +145,19 @@ CASES: dict[str, Callable[[], None]] = {
 
 
 def worker(results_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results: dict[str, str] = {}
-    out = results_dir / f"rank{dist.get_rank()}.json"
-    for name, case in CASES.items():
-        try:
-            case()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            out.write_text(json.dumps(results))
-            os._exit(1)  # torchrun stops the other rank, which may be waiting in a collective
-        out.write_text(json.dumps(results))
-    dist.destroy_process_group()
+    from conftest import run_cases_on_this_rank
+
+    run_cases_on_this_rank(results_dir, CASES)
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def outcomes(
+    tmp_path_factory: pytest.TempPathFactory,
+    run_under_torchrun: Callable[..., dict[str, str]],
+) -> dict[str, str]:
     """Run this file on 2 ranks under torchrun (killed whole after 150 s); {case: 'ok' or why not}."""
     results_dir = tmp_path_factory.mktemp("fsdp_adapters")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD_SIZE}", __file__, str(results_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        log, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-    per_rank = [json.loads(p.read_text()) if p.exists() else {}
-                for p in (results_dir / f"rank{r}.json" for r in range(WORLD_SIZE))]
-    outcomes = {}
-    for case in CASES:
-        failures = [f"rank {r}: {results[case]}" for r, results in enumerate(per_rank)
-                    if results.get(case, "ok") != "ok"]
-        unfinished = [r for r, results in enumerate(per_rank) if case not in results]
-        if unfinished and not failures:
-            failures = [f"ranks {unfinished} did not finish (torchrun exit code {process.returncode}):\n"
-                        f"{log[-6000:]}"]
-        outcomes[case] = "\n".join(failures) or "ok"
-    return outcomes
+    return run_under_torchrun(__file__, results_dir, CASES, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -11,13 +11,8 @@ This file is also the worker: pytest runs it under torchrun (``python -m torch.d
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import signal
-import subprocess
+import functools
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -82,46 +77,16 @@ def train_both_ways(strategy: str) -> None:
 
 
 def worker(results_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    results: dict[str, str] = {}
-    out = results_dir / f"rank{dist.get_rank()}.json"
-    for strategy in STRATEGIES:
-        try:
-            train_both_ways(strategy)
-            results[strategy] = "ok"
-        except Exception:
-            results[strategy] = traceback.format_exc()
-            out.write_text(json.dumps(results))
-            os._exit(1)  # torchrun stops the other rank, which may be waiting in a collective
-        out.write_text(json.dumps(results))
-    dist.destroy_process_group()
+    from conftest import run_cases_on_this_rank
+
+    run_cases_on_this_rank(results_dir, {s: functools.partial(train_both_ways, s) for s in STRATEGIES})
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, str]:
+def outcomes(tmp_path_factory, run_under_torchrun) -> dict[str, str]:
     """Run this file on 2 ranks under torchrun (killed whole after 150 s); {strategy: 'ok' or why not}."""
     results_dir = tmp_path_factory.mktemp("shardopt_with_minddp")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={WORLD_SIZE}", __file__, str(results_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        log, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        log, _ = process.communicate()
-    per_rank = [json.loads(p.read_text()) if p.exists() else {}
-                for p in (results_dir / f"rank{r}.json" for r in range(WORLD_SIZE))]
-    outcomes = {}
-    for strategy in STRATEGIES:
-        failures = [f"rank {r}: {results[strategy]}" for r, results in enumerate(per_rank)
-                    if results.get(strategy, "ok") != "ok"]
-        unfinished = [r for r, results in enumerate(per_rank) if strategy not in results]
-        if unfinished and not failures:
-            ending = f"torchrun exit code {process.returncode}"
-            failures = [f"ranks {unfinished} did not finish ({ending}):\n{log[-6000:]}"]
-        outcomes[strategy] = "\n".join(failures) or "ok"
-    return outcomes
+    return run_under_torchrun(__file__, results_dir, STRATEGIES, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

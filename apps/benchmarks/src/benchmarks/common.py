@@ -326,6 +326,28 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """--device for the multi-process benchmarks; choose_device reads it."""
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default=None,
+        help="default: cuda (NCCL) when there is a GPU per worker, else cpu (gloo)",
+    )  # fmt: skip
+
+
+def choose_device(parser: argparse.ArgumentParser, args: argparse.Namespace, workers: int) -> bool:
+    """Settles args.device (where --device was left out: cuda when there is a GPU per worker, else cpu)
+    and args.backend (NCCL on CUDA, else gloo); whether the run is on CUDA."""
+    gpus = torch.cuda.device_count()
+    if args.device is None:
+        args.device = "cuda" if 0 < workers <= gpus else "cpu"
+        if 0 < gpus < workers:
+            console.print(f"[yellow]{gpus} GPU(s) for {workers} workers: running {workers} CPU processes")
+    elif args.device == "cuda" and gpus < workers:
+        parser.error(f"--device cuda needs a GPU per worker ({workers}); this machine has {gpus}")
+    args.backend = "nccl" if args.device == "cuda" else "gloo"
+    return args.device == "cuda"
+
+
 def progress() -> Progress:
     """A rich progress bar for a sweep: `with progress() as p: for x in p.track(items, description=...)`."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -44,6 +44,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.checkpointing import predicted_activation_bytes
 from benchmarks.common import (
+    add_device_arg,
+    choose_device,
     console,
     device_name,
     free_device_memory,
@@ -225,8 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=positive_int, default=None,
                         help="workers to spawn; default: every GPU, else 2 CPU processes "
                              "(under torchrun: its world size, leave this out)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                        help="default: cuda (NCCL) when there is a GPU per worker, else cpu (gloo)")
+    add_device_arg(parser)
     parser.add_argument("--size", choices=list(MODEL_SIZES), default=None,
                         help="model size; default small on CUDA, tiny on CPU")
     parser.add_argument("--batch-size", type=positive_int, default=None,
@@ -246,14 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)
-    gpus = torch.cuda.device_count()
-    workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or (gpus or 2))
-    if args.device is None:
-        args.device = "cuda" if 0 < workers <= gpus else "cpu"
-    elif args.device == "cuda" and gpus < workers:
-        parser.error(f"--device cuda needs a GPU per worker ({workers}); this machine has {gpus}")
-    on_cuda = args.device == "cuda"
-    args.backend = "nccl" if on_cuda else "gloo"
+    workers = (int(os.environ["WORLD_SIZE"]) if under_torchrun()
+               else (args.nproc or (torch.cuda.device_count() or 2)))  # fmt: skip
+    on_cuda = choose_device(parser, args, workers)
     args.size = args.size or ("small" if on_cuda else "tiny")
     args.batch_size = args.batch_size or (4 if on_cuda else 2)
     args.context_length = args.context_length or (512 if on_cuda else 32)

@@ -45,6 +45,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import (
+    add_device_arg,
+    choose_device,
     console,
     device_name,
     free_device_memory,
@@ -287,8 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = make_parser("shardopt", __doc__)
     parser.add_argument("--nproc", type=positive_int, default=None,
                         help="workers to spawn; default 2 (under torchrun: its world size, leave this out)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                        help="default: cuda (NCCL) when there is a GPU per worker, else cpu (gloo)")
+    add_device_arg(parser)
     parser.add_argument("--size", choices=list(MODEL_SIZES), default=None,
                         help="model size; default xl on CUDA, tiny on CPU")
     parser.add_argument("--batch-size", type=positive_int, default=None,
@@ -308,17 +309,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)
     workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.nproc or 2)
-    gpus = torch.cuda.device_count()
-    if args.device is None:
-        args.device = "cuda" if gpus >= workers else "cpu"
-        if 0 < gpus < workers:
-            console.print(f"[yellow]{gpus} GPU(s) for {workers} workers: running {workers} CPU processes")
-    elif args.device == "cuda" and gpus < workers:
-        parser.error(f"--device cuda needs a GPU per worker ({workers}); this machine has {gpus}")
+    on_cuda = choose_device(parser, args, workers)
     if args.warmup < 0 or args.iters < 1 or workers < 1:
         parser.error("--warmup must be >= 0, --iters >= 1 and --nproc >= 1")
-    on_cuda = args.device == "cuda"
-    args.backend = "nccl" if on_cuda else "gloo"
     args.size = args.size or ("xl" if on_cuda else "tiny")
     args.batch_size = args.batch_size or (4 if on_cuda else 2)
     args.context_length = args.context_length or (256 if on_cuda else 64)

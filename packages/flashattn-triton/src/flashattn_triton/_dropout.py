@@ -29,6 +29,12 @@ def draw_rng(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**SEED_BITS, (2,), dtype=torch.int64, device=device)
 
 
+def check_rng(dropout_p: float, rng_state: torch.Tensor | None) -> None:
+    """An implementation's check that a call with dropout came with its (seed, offset)."""
+    if dropout_p > 0.0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state, the (seed, offset) of _dropout.draw_rng")
+
+
 def threshold(dropout_p: float) -> int:
     """A 32-bit random number r drops its probability iff r < threshold(dropout_p)."""
     return min(round(dropout_p * 2**32), _MASK32)

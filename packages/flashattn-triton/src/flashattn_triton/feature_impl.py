@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton._dropout import threshold
+from flashattn_triton._dropout import check_rng, threshold
 from flashattn_triton._validation import UNBOUNDED
 
 
@@ -160,8 +160,7 @@ def _problem(
         mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B, Hq, Tq, Tk) or broadcastable
         mask_strides = tuple(0 if n == 1 else s for n, s in zip(mask.shape, mask.stride(), strict=True))
         mask_kind = 1 if attn_mask.dtype == torch.bool else 2
-    if dropout_p > 0.0 and rng_state is None:
-        raise ValueError("dropout_p > 0 needs rng_state, the (seed, offset) of _dropout.draw_rng")
+    check_rng(dropout_p, rng_state)
     head_dim = q.shape[-1]
     shared = (seqlen_q, seqlen_k, head_dim)
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))

@@ -24,6 +24,18 @@ def _autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
 
 
+def _autocast_inputs(tensors: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]] | None:
+    """Where torch.autocast is on for the first tensor's device: (that device type, the tensors with the
+    floating ones cast to the autocast dtype), for the caller to run on with autocast off, as SDPA casts
+    its inputs first. None where autocast is off."""
+    device_type = tensors[0].device.type if isinstance(tensors[0], torch.Tensor) else "cpu"
+    if not (_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return device_type, tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                              for t in tensors)  # fmt: skip
+
+
 def flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -48,11 +60,9 @@ def flash_attention(
     compiles (torch.compile, torch.export) and captures into CUDA graphs. Under torch.autocast the
     inputs are cast to the autocast dtype first, as SDPA's are.
     """
-    device_type = query.device.type if isinstance(query, torch.Tensor) else "cpu"
-    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                             for t in (query, key, value))  # fmt: skip
+    autocast = _autocast_inputs((query, key, value))
+    if autocast is not None:
+        device_type, (query, key, value) = autocast
         with torch.autocast(device_type, enabled=False):
             return flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    window_size=window_size, return_lse=return_lse)  # fmt: skip
@@ -84,11 +94,9 @@ def flash_attention_varlen(
     int32, (batch + 1,), cumulative lengths from 0; max_seqlen_q/_k: the longest). Returns (total_q, Hq,
     d), each sequence's rows equal to flash_attention of that sequence alone (is_causal and window_size
     aligned top-left within it). Through the same custom ops as flash_attention, with no padding."""
-    device_type = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        q, k, v = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                   for t in (q, k, v))  # fmt: skip
+    autocast = _autocast_inputs((q, k, v))
+    if autocast is not None:
+        device_type, (q, k, v) = autocast
         with torch.autocast(device_type, enabled=False):
             return flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p=dropout_p, is_causal=is_causal, scale=scale,

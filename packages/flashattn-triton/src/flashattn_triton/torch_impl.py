@@ -35,7 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flashattn_triton._autograd import AttentionFunction
-from flashattn_triton._dropout import Dropout
+from flashattn_triton._dropout import Dropout, check_rng
 from flashattn_triton._validation import UNBOUNDED, Band, check_inputs
 
 TILE_K = 64
@@ -131,16 +131,11 @@ class _Problem:
         return tiles
 
 
-def _check_rng(dropout_p: float, rng_state: torch.Tensor | None) -> None:
-    if dropout_p > 0.0 and rng_state is None:
-        raise ValueError("dropout_p > 0 needs rng_state, the (seed, offset) of _dropout.draw_rng")
-
-
 def _dropout(dropout_p: float, rng_state: torch.Tensor | None, q: torch.Tensor,
              seqlen_k: int) -> Dropout | None:  # fmt: skip
     if dropout_p == 0.0:
         return None
-    _check_rng(dropout_p, rng_state)
+    check_rng(dropout_p, rng_state)
     _, heads, seqlen_q, _ = q.shape
     return Dropout.dense(dropout_p, rng_state, heads, seqlen_q, seqlen_k)
 
@@ -363,7 +358,7 @@ def _varlen_problem(q: torch.Tensor, k: torch.Tensor, sequence: tuple[int, int, 
     q_seq, k_seq = _sequence(q, q_start, q_end), _sequence(k, k_start, k_end)
     dropout = None
     if dropout_p > 0.0:
-        _check_rng(dropout_p, rng_state)
+        check_rng(dropout_p, rng_state)
         dropout = Dropout(dropout_p, rng_state, 0, q.shape[0] * max_seqlen_k, max_seqlen_k,
                           q_start * max_seqlen_k)  # fmt: skip
     return _Problem(q_seq, k_seq, None, band, dropout)

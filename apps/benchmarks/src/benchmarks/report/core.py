@@ -204,6 +204,15 @@ def axes(panels: int = 1) -> tuple[plt.Figure, list[plt.Axes]]:
     return fig, list(grid[0])
 
 
+def stacked_bars(ax: plt.Axes, labels: Iterable[str], df: pd.DataFrame, parts: Iterable[str]) -> None:
+    """A bar per row of df at labels, its parts' columns (MB, missing or negative as 0) stacked in order."""
+    bottom = pd.Series(0.0, index=df.index)
+    for part, color in zip(parts, plt.get_cmap("tab10").colors, strict=False):
+        values = numeric(df[part]).fillna(0).clip(lower=0)
+        ax.bar(labels, values, bottom=bottom, color=color, label=part.removesuffix("_MB").replace("_", " "))
+        bottom += values
+
+
 def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True, logy: bool = True,
           base_x: int = 10) -> None:
     if logx:

@@ -13,6 +13,7 @@ from benchmarks.report.core import (
     missing_note,
     numeric,
     prefixed,
+    stacked_bars,
 )
 
 FSDP_PARTS = ["params_MB", "grads_MB", "optimizer_MB", "other_MB"]
@@ -57,11 +58,7 @@ def fsdp_plot(ctx: Context, df: pd.DataFrame) -> str | None:
     parts = [c for c in FSDP_PARTS if c in df]
     labels = [f"{s}\n{c}" for s, c in zip(df["strategy"], df["compute"], strict=True)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(df)), 4.5))
-    bottom = pd.Series(0.0, index=df.index)
-    for part, color in zip(parts, plt.get_cmap("tab10").colors, strict=False):
-        values = numeric(df[part]).fillna(0).clip(lower=0)
-        ax.bar(labels, values, bottom=bottom, color=color, label=part.removesuffix("_MB"))
-        bottom += values
+    stacked_bars(ax, labels, df, parts)
     ax.set(ylabel="memory per rank (MB)", title="Memory per rank: DDP against FSDP")
     ax.tick_params(axis="x", labelsize=7)
     ax.grid(True, axis="y", alpha=0.3)

@@ -13,6 +13,7 @@ from benchmarks.report.core import (
     missing_note,
     numeric,
     prefixed,
+    stacked_bars,
 )
 
 SHARDOPT_PARTS = ["parameters_MB", "gradients_MB", "optimizer_state_MB", "other_MB"]
@@ -85,12 +86,7 @@ def shardopt_plot(ctx: Context, df: pd.DataFrame) -> str | None:
                                squeeze=False)
     for ax, name in zip(panels[0], optimizers, strict=True):
         rows = df[df["optimizer"] == name]
-        bottom = pd.Series(0.0, index=rows.index)
-        for part, color in zip(parts, plt.get_cmap("tab10").colors, strict=False):
-            values = numeric(rows[part]).fillna(0).clip(lower=0)
-            ax.bar(rows["phase"].astype(str), values, bottom=bottom, color=color,
-                   label=part.removesuffix("_MB").replace("_", " "))
-            bottom += values
+        stacked_bars(ax, rows["phase"].astype(str), rows, parts)
         ax.set_title(name, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.tick_params(axis="x", labelsize=8)
