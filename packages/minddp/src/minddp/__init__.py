@@ -17,7 +17,7 @@ from minddp.buckets import GradBucket
 from minddp.fsdp import FSDP
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
-__version__ = "0.2.1"
+__version__ = "0.2.0"
 
 STRATEGIES: dict[str, type[DataParallel]] = {
     "naive": NaiveDDP,
