@@ -6,7 +6,7 @@ PY=${1:-python}
 W=$(mktemp -d)
 run() { echo "\$ $*"; "$@"; echo "-> exit $?"; }
 echo "### empty lists, out of range (exit 2, one line, nothing written)"
-for a in "e2e --context ," "e2e --precision=" "e2e --size ," "e2e --optimizers ," "flash --seq 0" "flash --dims 0" "flash --batch -2" "flash --batch 0" "flash --rep -5" "shardopt --nproc 0" "ddp --nproc 0" "allreduce --sizes-mb ," "attention --T 0" "accounting --tokens ,"; do
+for a in "e2e --context ," "e2e --precision=" "e2e --size ," "shardopt --optimizers ," "flash --seq 0" "flash --dims 0" "flash --batch -2" "flash --batch 0" "flash --rep -5" "shardopt --nproc 0" "ddp --nproc 0" "allreduce --sizes-mb ," "attention --T 0" "accounting --tokens ,"; do
   run $PY -m benchmarks.$a --results-dir $W/r 2>&1
 done
 ls $W/r 2>&1 | head -1
