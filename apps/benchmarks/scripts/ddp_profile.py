@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.ddp import wrap
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
-from minddp import make_ddp, reducer
+from minddp import reducer
 from minddp.launch import free_port
 
 CONFIGS = ["single", "naive", "flat", "overlap", "bucketed", "torch"]  # naive..bucketed: minddp's strategies
@@ -79,21 +79,6 @@ class HookClock:
             self.calls[key] += 1
             return result
         return timed
-
-
-def wrap(model: nn.Module, config: str, device: torch.device, bucket_mb: float) -> nn.Module:
-    """``model`` as ``config`` wraps it, with the arguments ``benchmarks.ddp`` gives every wrapper."""
-    if config == "single":
-        return model
-    kwargs: dict[str, Any] = {"device_ids": [device.index] if device.type == "cuda" else None,
-                              "broadcast_buffers": False, "gradient_as_bucket_view": True}
-    if config in ("bucketed", "torch"):
-        kwargs["bucket_cap_mb"] = bucket_mb
-    if config == "torch":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # torch >= 2.13 prefers forward_sync_buffers
-            return DistributedDataParallel(model, **kwargs)
-    return make_ddp(config, model, **kwargs)
 
 
 def device_times(prof: profile, step_ms: float) -> dict[str, float]:
@@ -141,7 +126,7 @@ def measure(config: str, args: argparse.Namespace, device: torch.device,
     torch.manual_seed(0)
     with torch.device(device):
         model = TransformerLM(cfg)
-    ddp = wrap(model, config, device, args.bucket_mb)
+    ddp = wrap(model, config, args.bucket_mb, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = [tuple(random_batch(cfg, args.batch, args.context, device) for _ in range(2))
                for _ in range(args.warmup + args.steps + 1)]

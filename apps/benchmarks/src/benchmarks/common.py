@@ -367,36 +367,23 @@ def _number(kind: Callable[[str], T], text: str) -> T:
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse type for a count of at least 1 (sizes, steps, repeats, processes)."""
-    value = _number(int, text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(kind: Callable[[str], T], low: float, above: bool, doc: str) -> Callable[[str], T]:
+    """An argparse type: ``kind`` of ``text``, at least ``low`` (above it where ``above``)."""
+
+    def check(text: str) -> T:
+        value = _number(kind, text)
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {low}, got {text}")
+        return value
+
+    check.__doc__ = doc
+    return check
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse type for a count that may be 0 (warm-up steps)."""
-    value = _number(int, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type for a finite quantity above 0 (times, bandwidths, capacities)."""
-    value = _number(float, text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """argparse type for a finite quantity that may be 0."""
-    value = _number(float, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
+positive_int = _bounded(int, 1, False, "argparse type for a count of at least 1 (sizes, steps, ranks).")
+nonnegative_int = _bounded(int, 0, False, "argparse type for a count that may be 0 (warm-up steps).")
+positive_float = _bounded(float, 0, True, "argparse type for a finite quantity above 0 (times, bandwidths).")
+nonnegative_float = _bounded(float, 0, False, "argparse type for a finite quantity that may be 0.")
 
 
 def _items(text: str) -> list[str]:
