@@ -430,15 +430,26 @@ def test_tf32_parts_on_the_gpu(transposed, assert_tf32_parts):
     assert_tf32_parts(parts.transpose(-1, -2) if transposed else parts, x4)
 
 
-def test_scratch_memory_is_kept_per_stream(monkeypatch):
-    """Kernel-built descriptors' scratch: one buffer a stream, reused while it is big enough."""
-    monkeypatch.setattr(_launcher, "_stream_buffers", {})
-    first = _launcher.scratch(1024, 128, 1)
-    assert _launcher.scratch(512, 128, 1) is first
-    grown = _launcher.scratch(4096, 128, 1)
-    assert grown.numel() >= 4096 and grown.is_cuda
-    assert _launcher.scratch(4096, 128, 1) is grown
-    assert _launcher.scratch(512, 128, 2) is not grown
+@pytest.mark.parametrize("split", [False, True], ids=["default", "split-kv"])
+def test_no_device_memory_outlives_a_call(problem, monkeypatch, tmp_path, split):
+    """Scratch (kernel-built descriptors) and split-kv partials are the call's own: once its results are
+    dropped, the allocator holds what it held before. (A buffer kept past a call, made during a warm-up of
+    torch.compile's CUDA graph trees, would be a tensor of the graph's pool not tracked as an output.)"""
+    monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
+    if split:  # tuned afresh among the splits
+        monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path))
+        monkeypatch.setattr(TUNING, "chosen", {})
+        _split_key_tiles_only(monkeypatch)
+    p = problem((1, 1), 1024, 1024, 64, torch.bfloat16, True, device="cuda")
+    q, k, v = p.inputs()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    out.backward(p.grad_out)
+    del out
+    q.grad = k.grad = v.grad = None
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -523,6 +534,41 @@ def test_opcheck_on_cuda(dtype):
     torch.library.opcheck(ops.attn_fwd, (*leaves, *OPTIONS))
     out, lse = ops.attn_fwd(q, k, v, *OPTIONS)
     torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *OPTIONS, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_calls_skip_the_dispatcher_with_the_ops_results(dtype):
+    """flash_attention in eager mode runs the ops' implementations under a plain autograd Function (host
+    time): bitwise the results and gradients of the op; a dispatch mode still sees the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.use_deterministic_algorithms(True)  # no atomic dQ: bitwise repeatable gradients
+    try:
+        leaves = [torch.randn(2, 3, 200, 64, device="cuda", dtype=dtype, requires_grad=True)
+                  for _ in range(3)]  # fmt: skip
+        grad_out = torch.randn_like(leaves[0])
+        out = flash_attention(*leaves, is_causal=True, scale=0.125)
+        assert type(out.grad_fn.next_functions[0][0]).__name__ == "_EagerAttentionBackward"  # under a view
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        op_out, _ = ops.attn_fwd(*leaves, *OPTIONS)
+        assert torch.equal(out, op_out)
+        for got, want in zip(grads, torch.autograd.grad(op_out, leaves, grad_out), strict=True):
+            assert torch.equal(got, want)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        flash_attention(*leaves, is_causal=True)
+    assert ops.attn_fwd in seen.ops
 
 
 def _block(blocks, attention):

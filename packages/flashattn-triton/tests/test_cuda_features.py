@@ -20,12 +20,6 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 @pytest.fixture(autouse=True)
-def feature_kernels_on_cuda(monkeypatch):
-    """These tests are of the feature kernels, which flash_attention runs on CUDA only when asked (ops.py)."""
-    monkeypatch.setenv("FLASHATTN_TRITON_FEATURE_KERNELS", "1")
-
-
-@pytest.fixture(autouse=True)
 def full_float32_precision():
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")

@@ -75,19 +75,6 @@ def test_size_one_dims_get_valid_strides():
     assert descriptor.strides == [40, 40, 8, 1] and descriptor.block_shape == [1, 1, 16, 8]
 
 
-def test_stream_buffers_are_kept_per_use_and_stream(monkeypatch):
-    monkeypatch.setattr(_launcher, "_stream_buffers", {})
-    cpu = torch.device("cpu")
-    first = _launcher.stream_buffer("partials", 100, torch.float32, cpu, 1)
-    assert first.dtype == torch.float32 and first.numel() >= 100
-    assert _launcher.stream_buffer("partials", 50, torch.float32, cpu, 1) is first
-    assert _launcher.stream_buffer("partials", 50, torch.float32, cpu, 2) is not first
-    assert _launcher.stream_buffer("scratch", 50, torch.int8, cpu, 1) is not first
-    grown = _launcher.stream_buffer("partials", 200, torch.float32, cpu, 1)
-    assert grown.numel() >= 200
-    assert _launcher.stream_buffer("partials", 150, torch.float32, cpu, 1) is grown
-
-
 def test_launch_hooks_are_seen_however_they_are_set(monkeypatch):
     """A profiler's launch hook sends direct launches back through Triton's runner, which calls it: hooks
     added to Triton's HookChains, and hooks set as plain functions in their place."""

@@ -55,6 +55,9 @@ def _flex(mask_mod, seqlen: int, dev: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=seqlen, KV_LEN=seqlen, device=dev)
+    # The backward is timed again and again from one forward (retain_graph=True), which a compiled
+    # backward that donates its saved buffers refuses; read when the first call compiles.
+    torch._functorch.config.donated_buffer = False
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 

@@ -9,6 +9,7 @@ into Triton's C launch function (``CudaLauncher``), encodes host-built descripto
 the raw CUDA stream from ``torch._C``: private interfaces, used only with the Triton version whose
 launcher the tests check (``DIRECT_LAUNCH_TRITON``). With any other version every launch goes through
 the JIT (a one-time warning says so), and so does any launch while a launch hook (a profiler's) is set.
+It also asks torch's dispatcher whether a call may skip it (``plain_eager``).
 """
 
 from __future__ import annotations
@@ -77,33 +78,12 @@ def _descriptors(args: tuple) -> list:
     return [a.descriptor() if type(a) is Tiles else a for a in args]
 
 
-_stream_buffers: dict[tuple[str, torch.device, int | None], torch.Tensor] = {}
-
-
-def stream_buffer(use: str, numel: int, dtype: torch.dtype, device: torch.device,
-                  stream: int | None) -> torch.Tensor:  # fmt: skip
-    """A buffer kept per (use, device, stream) and grown as needed, for memory that one launch writes and
-    the next reads: an allocation a launch is host time. Sharing it is safe because the launches of one
-    stream run one after another. While the stream is captured into a CUDA graph the buffer is the
-    capture's own, from the graph's memory pool: one kept past the capture would hold memory of that pool,
-    which its owner (torch.compile's CUDA graph trees) may hand to other tensors when it rewinds it."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.empty(numel, dtype=dtype, device=device)
-    key = (use, device, stream)
-    buffer = _stream_buffers.get(key)
-    if buffer is None or buffer.numel() < numel:
-        buffer = _stream_buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buffer
-
-
-def current_stream(device: torch.device) -> int | None:
-    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else None
-
-
 def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    return stream_buffer("scratch", size, torch.int8, device, stream)
+    """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there.
+    A fresh allocation each launch (the caching allocator hands back the same block, stream-ordered): a
+    buffer kept between launches would, if first made during a warm-up of torch.compile's CUDA graph trees,
+    hold memory of the graph's pool that the trees hand to other tensors (decisions.md#no-kept-buffers)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _set_allocator() -> None:
@@ -113,6 +93,19 @@ def _set_allocator() -> None:
     import triton
 
     triton.set_allocator(scratch)
+
+
+def plain_eager(t: torch.Tensor) -> bool:
+    """Whether a call on t may skip the dispatcher (ops.eager_attention): a plain CUDA tensor in eager mode,
+    with no compile or export tracing it and no dispatch mode (FakeTensorMode, FlopCounterMode, ...) or
+    functorch transform (torch.func.grad, vmap) that must see the op."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.is_cuda
+        and not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+    )
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:

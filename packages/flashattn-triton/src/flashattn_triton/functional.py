@@ -69,7 +69,7 @@ def flash_attention(
     args = op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    out, lse = ops.attn_fwd(*args)
+    out, lse = ops.eager_attention(*args)
     out = out.view(query.shape)
     return (out, lse.view(query.shape[:-1])) if return_lse else out
 
@@ -103,5 +103,5 @@ def flash_attention_varlen(
                                           window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
     args = varlen_op_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                is_causal, scale, window_size, enable_gqa)  # fmt: skip
-    out, _ = ops.attn_fwd(*args)
+    out, _ = ops.eager_attention(*args)
     return out

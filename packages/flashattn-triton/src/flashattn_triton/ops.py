@@ -42,15 +42,18 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
 causal attention, and for grouped-query attention without mask or band (its groups stacked along T), and
-for everything else the feature kernels (feature_impl, whose backward has no atomics) under the
-interpreter; on CUDA those problems take the PyTorch path until the feature kernels pass there
-(FLASHATTN_TRITON_FEATURE_KERNELS=1 runs them, see _feature_kernels_on_gpu).
+for everything else the feature kernels (feature_impl, whose backward has no atomics).
+
+Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
+``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
+``fill_defaults``, the redispatch) and a second op for the backward cost about 0.9 ms of host time a
+forward and backward, four times a small problem's kernels (decisions.md#eager-autograd). Compiled,
+exported, fake, meta and transformed calls, and calls under a dispatch mode, go through the ops.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -58,21 +61,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, feature_impl, torch_impl, triton_impl
+from flashattn_triton import _inputs, _launcher, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
 _LIBRARY = torch.library.Library("flashattn_triton", "FRAGMENT")  # as custom_op's
 
 
-def _operator(implementation: Callable, fake: Callable) -> torch._ops.OpOverload:
-    """torch.ops.flashattn_triton.<implementation's name>, with implementation's signature
+def _operator(name: str, implementation: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """torch.ops.flashattn_triton.<name>, with implementation's signature
     (torch.library.infer_schema), fake as its fake (meta) implementation and implementation on every
     device. What torch.library.custom_op registers, less the torch._disable_dynamo it wraps each
     implementation in: that wrapper's first call imports torch._dynamo (sympy, torch.fx's symbolic
     shapes...), which took seconds of a process's first flash_attention call. (The fake comes first:
     it is the Meta kernel only where no kernel serves Meta yet.)"""
-    name = implementation.__name__
     _LIBRARY.define(name + torch.library.infer_schema(implementation, mutates_args=()))
     torch.library.register_fake(f"flashattn_triton::{name}", fake, lib=_LIBRARY)
     _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
@@ -115,14 +117,7 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
         return "tuned"
     if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
         return "stacked"
-    return "features" if q.device.type == "cpu" or _feature_kernels_on_gpu() else "torch"
-
-
-def _feature_kernels_on_gpu() -> bool:
-    """The feature kernels pass under the interpreter but hit an illegal memory access on an H100 (varlen's
-    backward among others, torch 2.11 + Triton 3.6): on CUDA the PyTorch path serves their problems unless
-    FLASHATTN_TRITON_FEATURE_KERNELS=1 asks for them (to test and measure them)."""
-    return os.environ.get("FLASHATTN_TRITON_FEATURE_KERNELS") == "1"
+    return "features"
 
 
 def _stacked(x: Tensor, kv_heads: int) -> Tensor:
@@ -139,10 +134,10 @@ def _check_triton_inputs(q: Tensor) -> None:
     _inputs.check_head_dim(q)
 
 
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
-             rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
-             diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-             max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                      rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
+                      diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                      max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out, lse) of attention, as the module docstring says: the Triton kernels where uses_triton (the tuned
     ones where they apply, else the feature kernels), else the PyTorch path."""
     options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
@@ -161,11 +156,12 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
     return feature_impl.feature_forward(q, k, v, **options)
 
 
-def attn_bwd(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-             lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None, scale: float,
-             window_left: int, window_right: int, diagonal_offset: int, cu_seqlens_q: Tensor | None,
-             cu_seqlens_k: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
-             deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                       out: Tensor, lse: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                       rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
+                       diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                       max_seqlen_q: int, max_seqlen_k: int,
+                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(dq, dk, dv) of attention, as the module docstring says."""
     options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
@@ -217,19 +213,47 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> No
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+def _gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None, backward: Callable) -> tuple:
+    """The gradients of attn_fwd's inputs from what _setup_context saved, by backward (the attn_bwd op, or
+    attention_backward itself)."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     options = list(ctx.options)
     for i, tensor in zip(ctx.tensor_options, tensors, strict=True):
         options[i] = tensor
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    grads = attn_bwd(grad_out, grad_lse, q, k, v, out, lse, *options,
-                     torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    grads = backward(grad_out, grad_lse, q, k, v, out, lse, *options, deterministic)
     return (*grads, *[None] * len(options))
 
 
-attn_fwd = _operator(attn_fwd, _attn_fwd_fake)
-attn_bwd = _operator(attn_bwd, _attn_bwd_fake)
+def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+    return _gradients(ctx, grad_out, grad_lse, attn_bwd)
+
+
+attn_fwd = _operator("attn_fwd", attention_forward, _attn_fwd_fake)
+attn_bwd = _operator("attn_bwd", attention_backward, _attn_bwd_fake)
 torch.library.register_autograd("flashattn_triton::attn_fwd", _backward, setup_context=_setup_context,
                                 lib=_LIBRARY)  # fmt: skip
+
+
+class _EagerAttention(torch.autograd.Function):
+    """attn_fwd and its autograd, without the dispatcher (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor]:
+        output = attention_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+        return _gradients(ctx, grad_out, grad_lse, attention_backward)
+
+
+def eager_attention(*inputs: Any) -> tuple[Tensor, Tensor]:
+    """attn_fwd(*inputs) with its autograd: through the op, or where _plain_eager, without the dispatcher."""
+    if _launcher.plain_eager(inputs[0]):
+        return _EagerAttention.apply(*inputs)
+    return attn_fwd(*inputs)

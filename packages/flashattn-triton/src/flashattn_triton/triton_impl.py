@@ -228,8 +228,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         partials = None
         if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), for the combine
             rows = -(-seqlen_q // c.block_m) * c.block_m
-            partials = _launcher.stream_buffer("partials", c.kv_splits * batch * heads * rows * (block_d + 1),
-                                               torch.float32, q.device, _launcher.current_stream(q.device))
+            partials = torch.empty(c.kv_splits * batch * heads * rows * (block_d + 1), dtype=torch.float32,
+                                   device=q.device)
         v_tile = (block_d, c.block_n) if v_transposed else (c.block_n, block_d)
         # (dict literals: a call's host time notices dict(...) building its keyword arguments first)
         main = {
