@@ -4,8 +4,10 @@ The reference is one process that runs each rank's micro-batch in turn on the fu
 accumulates the gradients and divides by N: mathematically the mean over the concatenated batch,
 and in floating point the same sums FSDP does, so at 2 ranks (a sum of two is order-free) the
 parameters must match bit for bit. They must also match a plain backward over the concatenated
-batch to rounding. The model has Transformer-style blocks, an LM head tied to the embedding, a
-frozen layer, 1-D parameters (kept whole) and unit sizes that need padding at 2 and 3 ranks.
+batch to rounding (that backward sums inside each matmul, in an order no data-parallel wrapper
+can reproduce); torch's own FSDP2 and DDP, trained beside it, match it bit for bit at 2 ranks.
+The model has Transformer-style blocks, an LM head tied to the embedding, a frozen layer,
+1-D parameters (kept whole) and unit sizes that need padding at 2 and 3 ranks.
 """
 
 from __future__ import annotations
@@ -147,6 +149,64 @@ def test_training_matches_one_process(training_reports: tuple[int, list[dict[str
             assert result["vs_reference"] < 1e-6, result
         tolerance = 1e-5 if case.endswith("fp32") else 5e-2
         assert result["vs_concatenated"] < tolerance, result
+
+
+def torch_fsdp2(model: TinyLM, dtype: torch.dtype | None, world_size: int) -> nn.Module:
+    """``model`` under torch's FSDP2 with the same units and the precision minddp.FSDP uses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    # compute_dtype casts every parameter; gradients are reduced in fp32 (FSDP2's default: in param_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def against_torch(rank: int, world_size: int) -> dict[str, float]:
+    """minddp.FSDP, torch's FSDP2 and (fp32) torch's DDP trained side by side; the largest differences.
+
+    All three add up the ranks' gradients of the same micro-batches. At 2 ranks that sum is one
+    addition, so they must agree bit for bit. At 3 ranks gloo's ring adds each element in an order
+    that depends on where it sits in the buffer (FSDP2 pads each parameter, DDP divides before
+    summing), so they agree to rounding.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    differences = {}
+    for opt_name, dtype_name in itertools.product(OPTIMIZERS, COMPUTE_DTYPES):
+        dtype = COMPUTE_DTYPES[dtype_name]
+        torch.manual_seed(0)
+        base = TinyLM()
+        theirs = {"fsdp2": torch_fsdp2(copy.deepcopy(base), dtype, world_size)}
+        if dtype is None:
+            theirs["ddp"] = DistributedDataParallel(copy.deepcopy(base))
+        ours = FSDP(copy.deepcopy(base), compute_dtype=dtype)
+        models = {"minddp": ours, **theirs}
+        optimizers = {name: OPTIMIZERS[opt_name](m.parameters()) for name, m in models.items()}
+        for batch in batches(world_size):
+            for name, model in models.items():
+                optimizers[name].zero_grad(set_to_none=True)
+                loss_of(model, batch.chunk(world_size)[rank]).backward()
+                if model is ours:
+                    ours.finish_gradient_synchronization()
+                optimizers[name].step()
+        full = ours.gather_full_params()
+        assert largest_difference(full, base) > 1e-3  # trained, so equality means something
+        fsdp2 = {n: p.full_tensor() for n, p in theirs["fsdp2"].named_parameters()}
+        differences[f"{opt_name}-{dtype_name} vs fsdp2"] = max((full[n] - t).abs().max().item()
+                                                               for n, t in fsdp2.items())
+        if "ddp" in theirs:
+            differences[f"{opt_name}-{dtype_name} vs ddp"] = largest_difference(full, theirs["ddp"].module)
+    return differences
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_training_is_bitwise_torch_fsdp2_and_ddp(ranks: Any, world_size: int) -> None:
+    tolerance = 0.0 if world_size == 2 else 1e-6
+    for differences in ranks(against_torch, world_size, timeout=180):
+        assert differences and all(d <= tolerance for d in differences.values()), differences
 
 
 def accumulate(rank: int, world_size: int) -> dict[str, float]:
