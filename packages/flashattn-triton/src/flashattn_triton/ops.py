@@ -247,9 +247,18 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-        return _gradients(ctx, grad_out, grad_lse, attention_backward)
+        # once_differentiable only under create_graph=True, where the gradients must refuse a second
+        # differentiation; elsewhere its wrapper is host time (decisions.md#once-differentiable).
+        gradients = _eager_gradients_once if torch.is_grad_enabled() else _eager_gradients
+        return gradients(ctx, grad_out, grad_lse)
+
+
+def _eager_gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
+    return _gradients(ctx, grad_out, grad_lse, attention_backward)
+
+
+_eager_gradients_once = torch.autograd.function.once_differentiable(_eager_gradients)
 
 
 def eager_attention(*inputs: Any) -> tuple[Tensor, Tensor]:
