@@ -4,9 +4,10 @@ What the assignment's public FSDP tests check, re-stated for our own small model
 - training with FSDP (each rank on half of every batch, plain SGD) ends where one process
   training on the whole batch ends: bit for bit in fp32 against one process that sums the two
   halves' gradients, and to rounding against one backward over the whole batch; with
-  ``compute_dtype=torch.float16``, close to one process computing with fp16 copies of the weights
-  and stepping fp32 masters. In both, bit for bit where torch's FSDP2 (``fully_shard``, gradients
-  reduced in fp32), trained beside it, ends;
+  ``compute_dtype=torch.float16``, close to one process computing with fp16 copies of the Linear and
+  Embedding weights (the norms' scales stay fp32, as in the assignment's reference) and stepping fp32
+  masters. In both, bit for bit where torch's FSDP2 (``fully_shard``, gradients reduced in fp32, each
+  norm sharded on its own without mixed precision), trained beside it, ends;
 - after ``fsdp_on_after_backward`` every trainable parameter of ``.module`` has an fp32 gradient
   shaped like its data, and the parameters kept whole (norm scales) have the same gradient on
   every rank.
@@ -83,7 +84,11 @@ def one_process_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens:
     optimizer.zero_grad(set_to_none=True)
     parts = WORLD_SIZE if halves else 1
     for part_tokens, part_labels in zip(tokens.chunk(parts), labels.chunk(parts), strict=True):
-        compute = copy.deepcopy(model) if compute_dtype is None else copy.deepcopy(model).to(compute_dtype)
+        compute = copy.deepcopy(model)
+        if compute_dtype is not None:  # the Linear and Embedding weights; the norms' scales stay fp32
+            for module in compute.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    module.to(compute_dtype)
         last_token_loss(compute, part_tokens, part_labels).backward()
         for p, q in zip(model.parameters(), compute.parameters(), strict=True):
             p.grad = q.grad.float() if p.grad is None else p.grad + q.grad.float()
@@ -98,9 +103,13 @@ def torch_fsdp2(model: nn.Module, compute_dtype: torch.dtype | None) -> nn.Modul
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    for module in model.modules():
+        if isinstance(module, RMSNorm):  # a group of its own, without mixed precision: fp32 scales
+            fully_shard(module, mesh=mesh)
     reduce_dtype = torch.float32 if compute_dtype is not None else None
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-    return fully_shard(model, mesh=init_device_mesh("cpu", (WORLD_SIZE,)), mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def train_like_one_process(compute_dtype: torch.dtype | None) -> None:

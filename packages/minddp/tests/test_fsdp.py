@@ -71,17 +71,25 @@ def batches(world_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (world_size * PER_RANK, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def cast_copy(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """A copy with the weights FSDP computes with: every parameter in ``dtype`` (if given)."""
-    return copy.deepcopy(model) if dtype is None else copy.deepcopy(model).to(dtype)
+def cast_copy(model: nn.Module, dtype: torch.dtype | None,
+              keep: tuple[type[nn.Module], ...] = ()) -> nn.Module:
+    """A copy with the weights FSDP computes with: every parameter in ``dtype`` (if given) but those of
+    ``keep``'s modules."""
+    low = copy.deepcopy(model)
+    if dtype is not None:
+        kept = {id(p) for m in low.modules() if isinstance(m, keep) for p in m.parameters(recurse=False)}
+        for p in low.parameters():
+            if id(p) not in kept:
+                p.data = p.data.to(dtype)
+    return low
 
 
 def reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, world_size: int,
-                   dtype: torch.dtype | None) -> None:
+                   dtype: torch.dtype | None, keep: tuple[type[nn.Module], ...] = ()) -> None:
     """Each rank's micro-batch in turn, gradients summed in fp32 then divided by the world size."""
     optimizer.zero_grad(set_to_none=True)
     for micro in batch.chunk(world_size):
-        low = cast_copy(model, dtype)
+        low = cast_copy(model, dtype, keep)
         loss_of(low, micro).backward()
         for p, q in zip(model.parameters(), low.parameters(), strict=True):
             if q.grad is not None:
@@ -207,6 +215,33 @@ def test_training_is_bitwise_torch_fsdp2_and_ddp(ranks: Any, world_size: int) ->
     tolerance = 0.0 if world_size == 2 else 1e-6
     for differences in ranks(against_torch, world_size, timeout=180):
         assert differences and all(d <= tolerance for d in differences.values()), differences
+
+
+def norms_in_their_dtype(rank: int, world_size: int) -> dict[str, float]:
+    """bf16 compute with the LayerNorms kept in fp32 (keep_dtype_modules), against one process doing
+    the same and against one casting everything."""
+    torch.manual_seed(0)
+    base = TinyLM()
+    fsdp = FSDP(copy.deepcopy(base), compute_dtype=torch.bfloat16, keep_dtype_modules=[nn.LayerNorm])
+    optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
+    references = {keep: copy.deepcopy(base) for keep in ((nn.LayerNorm,), ())}
+    ref_opts = {keep: OPTIMIZERS["sgd"](model.parameters()) for keep, model in references.items()}
+    for batch in batches(world_size):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(fsdp, batch.chunk(world_size)[rank]).backward()
+        fsdp.finish_gradient_synchronization()
+        optimizer.step()
+        for keep, model in references.items():
+            reference_step(model, ref_opts[keep], batch, world_size, torch.bfloat16, keep)
+    full = fsdp.gather_full_params()
+    return {"kept": largest_difference(full, references[(nn.LayerNorm,)]),
+            "all cast": largest_difference(full, references[()])}
+
+
+def test_keep_dtype_modules_compute_those_modules_in_their_dtype(ranks: Any) -> None:
+    for report in ranks(norms_in_their_dtype, 2):
+        assert report["kept"] == 0.0, report
+        assert report["all cast"] > 1e-4, report  # the norms' dtype changes the result
 
 
 def accumulate(rank: int, world_size: int) -> dict[str, float]:
@@ -383,6 +418,8 @@ def error_messages(rank: int, world_size: int) -> dict[str, str]:
         "differs": lambda: FSDP(TinyLM(hidden=HIDDEN + rank)),
         "empty unit": lambda: FSDP(nn.Sequential(NormOnlyBlock(), nn.Linear(D, D)), wrap=[NormOnlyBlock]),
         "integer dtype": lambda: FSDP(TinyLM(), compute_dtype=torch.int32),
+        "kept but sharded": lambda: FSDP(TinyLM(), compute_dtype=torch.bfloat16,
+                                         keep_dtype_modules=[nn.Linear]),
     }
     messages = {}
     for name, build in cases.items():
@@ -400,3 +437,6 @@ def test_bad_input_gets_a_clear_error_on_every_rank(ranks: Any) -> None:
         assert "rank 1 has parameter blocks.0.up.weight (8, 5)" in messages["differs"]
         assert "wrap: module '0' (NormOnlyBlock) has no parameters to shard" in messages["empty unit"]
         assert "compute_dtype=torch.int32 is not a floating-point" in messages["integer dtype"]
+        assert "keep_dtype_modules: frozen.weight" not in messages["kept but sharded"]  # frozen: kept whole
+        assert "keep_dtype_modules: blocks.0.up.weight (Linear, shape (7, 5)) is sharded" in messages[
+            "kept but sharded"]

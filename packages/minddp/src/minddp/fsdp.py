@@ -40,6 +40,10 @@ class FSDP(nn.Module):
             inside another match belongs to the outer one. The root unit holds the rest.
         shard_vectors: also shard parameters of fewer than 2 dimensions (norm scales, biases).
             By default each rank keeps those whole (they are tiny) and averages their gradients.
+        keep_dtype_modules: module classes (e.g. norm layers) whose own parameters the forward uses
+            in their dtype rather than ``compute_dtype``, as autocast keeps norms in float32 and
+            FSDP2 does for a module sharded with a policy of its own. Their parameters must be ones
+            every rank keeps whole (so not with ``shard_vectors``); their inputs are not cast back.
 
     Frozen parameters (``requires_grad=False``) stay whole on every rank. Parameters kept whole
     are used in ``compute_dtype`` too (a cast copy per forward). A parameter shared by
@@ -53,7 +57,8 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, *, compute_dtype: torch.dtype | None = None,
                  process_group: dist.ProcessGroup | None = None,
-                 wrap: Iterable[type[nn.Module]] | None = None, shard_vectors: bool = False) -> None:
+                 wrap: Iterable[type[nn.Module]] | None = None, shard_vectors: bool = False,
+                 keep_dtype_modules: Iterable[type[nn.Module]] = ()) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("FSDP needs an initialized process group: call torch.distributed."
@@ -78,6 +83,7 @@ class FSDP(nn.Module):
         self._aliases = {n: names[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
         sharded = {id(p) for p in module.parameters() if p.requires_grad and (shard_vectors or p.dim() >= 2)}
         self._replicated = [(n, p) for n, p in module.named_parameters() if id(p) not in sharded]
+        own_dtype = _own_dtype_params(module, keep_dtype_modules, sharded)
         owner = _owning_unit(module, unit_modules, sharded)
         units = []
         for unit_name, unit_module in [*unit_modules.items(), ("", module)]:
@@ -92,7 +98,8 @@ class FSDP(nn.Module):
                                   compute_dtype, self._on_grad_ready))
         self._units = units
         self._root = units[-1] if units and units[-1].module is module else None
-        self._whole_in_compute_dtype = _CastOnUse(module, [p for _, p in self._replicated], compute_dtype)
+        self._whole_in_compute_dtype = _CastOnUse(
+            module, [p for _, p in self._replicated if id(p) not in own_dtype], compute_dtype)
         self._broadcast_from_rank0([*(p for _, p in self._replicated), *module.buffers()])
         for unit in units:
             if unit is not self._root:
@@ -348,6 +355,24 @@ def _places(root: nn.Module, params: list[nn.Parameter]) -> dict[int, list[tuple
                 seen.add((id(m), attr))
                 places[id(p)].append((m, attr))
     return places
+
+
+def _own_dtype_params(root: nn.Module, classes: Iterable[type[nn.Module]], sharded: set[int]) -> set[int]:
+    """ids of the parameters of ``classes``' modules (keep_dtype_modules), which must all be kept whole."""
+    classes = tuple(classes)
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"keep_dtype_modules: {cls!r} is not an nn.Module class")
+    own: set[int] = set()
+    for name, m in root.named_modules():
+        if isinstance(m, classes):
+            for attr, p in m.named_parameters(recurse=False):
+                if id(p) in sharded:
+                    raise ValueError(f"keep_dtype_modules: {name}.{attr} ({type(m).__name__}, shape "
+                                     f"{tuple(p.shape)}) is sharded; only parameters every rank keeps "
+                                     "whole (fewer than 2 dims, shard_vectors=False) keep their dtype")
+                own.add(id(p))
+    return own
 
 
 class _CastOnUse:
