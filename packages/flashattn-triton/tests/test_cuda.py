@@ -421,6 +421,41 @@ def test_launches_follow_the_current_stream(problem):
             assert torch.equal(got, want)
 
 
+def test_a_thread_without_a_cuda_context_runs_a_backward(problem):
+    """torch sets autograd's device thread to its GPU without making a CUDA context current there; where a
+    small problem's backward is that thread's first CUDA work, its host-built descriptors and launches
+    need one (they raised "invalid device context"). A fresh thread has none: the backward there equals
+    the main thread's."""
+    import ctypes
+    import threading
+
+    p = problem((1, 1), 1024, 1024, 64, torch.bfloat16, True, device="cuda")
+    q, k, v = p.inputs()
+    out, lse = triton_impl.triton_forward(q, k, v, True, None)
+    triton_impl.triton_backward(q, k, v, out, lse, p.grad_out, True, 0.125)  # its blocks, freed, are reused
+    want = triton_impl.triton_backward(q, k, v, out, lse, p.grad_out, True, 0.125)
+    torch.cuda.synchronize()
+    seen = {}
+
+    def backward_in_a_new_thread():
+        context = ctypes.c_void_p()
+        _launcher._libcuda().cuCtxGetCurrent(ctypes.byref(context))
+        seen["context"] = context.value
+        try:
+            seen["grads"] = triton_impl.triton_backward(q, k, v, out, lse, p.grad_out, True, 0.125)
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            seen["error"] = exc
+
+    thread = threading.Thread(target=backward_in_a_new_thread)
+    thread.start()
+    thread.join()
+    assert seen["context"] is None  # the thread started without one
+    assert "error" not in seen, seen.get("error")
+    for got, expected in zip(seen["grads"], want, strict=True):
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed"])
 def test_tf32_parts_on_the_gpu(transposed, assert_tf32_parts):
     """The float32 split (one kernel) on a ragged, strided problem: exact parts, TF32 high parts."""

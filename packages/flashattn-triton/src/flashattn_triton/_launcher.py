@@ -15,9 +15,11 @@ It also asks torch's dispatcher whether a call may skip it (``plain_eager``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import inspect
 import operator
+import threading
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -136,6 +138,10 @@ class Launcher:
         if self.compiled is not None:
             self.compiled(positional)
             return
+        cuda = [t.device.index for t in (a.tensor if type(a) is Tiles else a for a in positional)
+                if isinstance(t, torch.Tensor) and t.is_cuda]
+        if cuda:
+            ensure_context(cuda[0])
         _set_allocator()
         compiled = self.kernel[self.grid](*_descriptors(positional), **self.options)
         if hasattr(compiled, "function"):  # under the interpreter there is no compiled kernel to keep
@@ -230,6 +236,42 @@ class LaunchArgs:
         return expanded
 
 
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    from triton.backends.nvidia.driver import libcuda_dirs
+
+    for path in ("libcuda.so.1", *(f"{d}/libcuda.so.1" for d in libcuda_dirs())):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise RuntimeError("flashattn_triton: cannot load libcuda.so.1 (the CUDA driver)")
+
+
+_thread = threading.local()
+
+
+def ensure_context(device: int) -> None:
+    """Make ``device``'s primary CUDA context current in this thread if none is. Host-built descriptors
+    (``cuTensorMapEncodeTiled``) and the C launch need one, and a thread whose first CUDA work is ours has
+    none: torch sets autograd's device thread to its device without creating a context there, so a
+    small problem's backward (no torch kernel before ours) failed with "invalid device context"."""
+    if getattr(_thread, "device", None) == device:
+        return
+    libcuda, context = _libcuda(), ctypes.c_void_p()
+    if libcuda.cuCtxGetCurrent(ctypes.byref(context)) == 0 and not context.value:
+        handle = ctypes.c_int()
+        steps = (lambda: libcuda.cuDeviceGet(ctypes.byref(handle), device),
+                 lambda: libcuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), handle),
+                 lambda: libcuda.cuCtxSetCurrent(context))  # fmt: skip
+        for step in steps:
+            status = step()
+            if status != 0:
+                raise RuntimeError(f"flashattn_triton: could not make CUDA device {device}'s context current "
+                                   f"(CUresult {status})")
+    _thread.device = device
+
+
 def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple], None]:
     """A launch of compiled `kernel` on `grid`: straight into Triton's C launch function, with tensors
     passed as addresses and host-built descriptors encoded once (LaunchArgs), where this Triton is the one
@@ -238,8 +280,10 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple],
     for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
     every tensor: about half of a small problem's host time a pass (decisions.md#direct-launch)."""
     runner = kernel[grid]
+    device = torch.cuda.current_device()
 
     def through_runner(args: tuple) -> None:
+        ensure_context(device)
         _set_allocator()  # per call: Triton keeps it per thread, and autograd's backward has its own
         runner(*_descriptors(args))
 
@@ -257,13 +301,14 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple],
     function, packed_metadata = kernel.function, kernel.packed_metadata
     flags = (run.launch_cooperative_grid, run.launch_pdl)
     scratch_bytes = run.global_scratch_size * grid[0] * grid[1] * grid[2] * run.num_ctas
-    alignment, device = run.global_scratch_align, torch.cuda.current_device()
+    alignment = run.global_scratch_align
     raw_stream = torch._C._cuda_getCurrentRawStream
 
     def direct(args: tuple) -> None:
         if launch_hooked():
             through_runner(args)
             return
+        ensure_context(device)
         stream = raw_stream(device)
         scratch_address = scratch(scratch_bytes, alignment, stream).data_ptr() if scratch_bytes else None
         launch(*grid, stream, function, *flags, scratch_address, None, packed_metadata, None, None, None,
