@@ -1,12 +1,14 @@
 """NCCL smoke test, run by test_nccl.py under torchrun (one rank per GPU); exits non-zero on a failure.
 
-Every strategy on CUDA matches one process trained on the whole batch; with torch's
+Every strategy, and FSDP with and without bf16 compute, on CUDA matches one process trained on the whole
+batch; with torch's
 bf16_compress_hook and under join() on uneven inputs it matches torch DDP on the same data; a
 bucket's gradients are views of one buffer; CPU parameters are refused with NCCL.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import warnings
@@ -17,7 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from minddp import STRATEGIES, BucketedDDP, make_ddp
+from minddp import FSDP, STRATEGIES, BucketedDDP, make_ddp
 
 PER_RANK = 4
 
@@ -44,6 +46,35 @@ def train_like_torch(wrap, rank: int, device: torch.device, hook, uneven: bool) 
             opt.step()
             opt.zero_grad()
     return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def fsdp_matches_one_process(rank: int, world: int, device: torch.device) -> None:
+    """FSDP (reduce-scatter and all-gather on NCCL; a plain SUM at one rank) against one process on the
+    whole batch computing with the same weights: fp32, and bf16 copies of every parameter."""
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        reference = model().to(device)
+        fsdp = FSDP(copy.deepcopy(reference), compute_dtype=dtype)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fsdp, reference)]
+        for step in range(3):
+            g = torch.Generator(device=device).manual_seed(step)
+            x = torch.randn(world * PER_RANK, 16, device=device, generator=g)
+            y = torch.randn(world * PER_RANK, 4, device=device, generator=g)
+            rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+            nn.functional.mse_loss(fsdp(x[rows]).float(), y[rows]).backward()
+            fsdp.finish_gradient_synchronization()
+            low = reference if dtype is None else copy.deepcopy(reference).to(dtype)
+            nn.functional.mse_loss(low(x.to(low[0].weight.dtype)).float(), y).backward()
+            for p, q in zip(reference.parameters(), low.parameters(), strict=True):
+                if q.grad is not None and q is not p:
+                    p.grad = q.grad.float()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        tolerance = {} if dtype is None else {"rtol": 2e-2, "atol": 2e-3}
+        full = fsdp.gather_full_params()
+        for name, q in reference.named_parameters():
+            torch.testing.assert_close(full[name], q, **tolerance, msg=f"FSDP {dtype}: {name} on rank {rank}")
 
 
 def torch_ddp(module: nn.Module, **kwargs) -> DistributedDataParallel:
@@ -89,6 +120,8 @@ def main() -> None:
             for p, q in zip(ours, theirs, strict=True):
                 torch.testing.assert_close(p, q, **loose, msg=f"{strategy} vs torch DDP, hook {hook}, "
                                                                f"uneven {uneven}")
+
+    fsdp_matches_one_process(rank, world, device)
 
     one_bucket = BucketedDDP(model().to(device), bucket_size_mb=None)
     one_bucket(torch.randn(2, 16, device=device)).sum().backward()

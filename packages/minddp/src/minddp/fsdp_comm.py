@@ -45,7 +45,9 @@ class FlatCollectives:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
-        self._average_in_place = _backend_for(group, device) in _BACKENDS_WITH_AVG
+        # One rank has nothing to average: a SUM there moves no byte, where NCCL's AVG still runs a
+        # scaling kernel over every unit's gradient (as DDP found at one rank).
+        self._average_in_place = self.world_size > 1 and _backend_for(group, device) in _BACKENDS_WITH_AVG
         self._flat_gather = self._works(self._try_flat_gather)
         self._flat_reduce = self._works(self._try_flat_reduce)
 
