@@ -326,6 +326,20 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def held_bytes(tensors: Iterable[Any], device: torch.device) -> int:
+    """Bytes of the distinct tensors among ``tensors`` that this rank holds on ``device``: a DTensor counts
+    its local shard; non-tensors and 0-dim tensors (optimizers' step counters) do not count."""
+    from torch.distributed.tensor import DTensor
+
+    seen = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.device == device:
+            seen[(t.data_ptr(), t.nbytes)] = t.nbytes
+    return sum(seen.values())
+
+
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
     """--device for the multi-process benchmarks; choose_device reads it."""
     parser.add_argument(

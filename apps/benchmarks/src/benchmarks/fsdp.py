@@ -32,7 +32,7 @@ import argparse
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -49,6 +49,7 @@ from benchmarks.common import (
     console,
     device_name,
     free_device_memory,
+    held_bytes,
     make_parser,
     nonnegative_int,
     parse_args,
@@ -69,19 +70,6 @@ MB = 1e6
 STRATEGIES = ["torch-ddp", "minddp-bucketed", "torch-fsdp2", "minddp-fsdp"]
 COMPUTE = {"fp32": None, "bf16": torch.bfloat16}
 SHARDED = {"torch-fsdp2", "minddp-fsdp"}
-
-
-def local_nbytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct local tensors among ``tensors`` (a DTensor counts its local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    seen = {}
-    for t in tensors:
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if isinstance(t, torch.Tensor) and t.dim() > 0:  # not AdamW's step counters
-            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), t.nbytes)] = t.nbytes
-    return sum(seen.values())
 
 
 def wrap(strategy: str, model: TransformerLM, compute: torch.dtype | None, where: torch.device) -> nn.Module:
@@ -138,8 +126,10 @@ class Workload:
 
     def held(self) -> dict[str, float]:
         params = list(self.wrapped.parameters())
-        return {"parameters": local_nbytes(params), "gradients": local_nbytes(p.grad for p in params),
-                "optimizer state": local_nbytes(t for s in self.optimizer.state.values() for t in s.values())}
+        state = (t for s in self.optimizer.state.values() for t in s.values())
+        return {"parameters": held_bytes(params, self.where),
+                "gradients": held_bytes((p.grad for p in params), self.where),
+                "optimizer state": held_bytes(state, self.where)}
 
 
 def measure(strategy: str, compute: str, cfg: ModelConfig, args: argparse.Namespace, where: torch.device,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
@@ -50,6 +50,7 @@ from benchmarks.common import (
     console,
     device_name,
     free_device_memory,
+    held_bytes,
     make_parser,
     nonnegative_int,
     parse_args,
@@ -97,17 +98,8 @@ def local_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
     return optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
 
 
-def tensor_bytes(tensors: Iterable[Any], device: torch.device) -> int:
-    """Bytes of the distinct tensors among ``tensors`` that sit on ``device`` (CPU step counters do not)."""
-    seen = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device == device:
-            seen[(t.data_ptr(), t.nbytes)] = t.nbytes
-    return sum(seen.values())
-
-
 def state_bytes_per_param(optimizer: torch.optim.Optimizer, device: torch.device) -> list[int]:
-    return [tensor_bytes(state.values(), device) for state in local_state(optimizer).values()]
+    return [held_bytes(state.values(), device) for state in local_state(optimizer).values()]
 
 
 def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
@@ -115,8 +107,8 @@ def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.
     params = list(model.parameters())
     peak = read_peak_memory(device)
     return {
-        "parameters": tensor_bytes(params, device),
-        "gradients": tensor_bytes((p.grad for p in params), device),
+        "parameters": held_bytes(params, device),
+        "gradients": held_bytes((p.grad for p in params), device),
         "optimizer state": sum(state_bytes_per_param(optimizer, device)),
         "peak": float(peak.allocated) if peak else float("nan"),
     }
