@@ -18,6 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from minddp.buckets import assign_buckets
 from minddp.collectives import all_gather_objects, backend_per_device_type, broadcast_coalesced
+from minddp.nested import map_tensors, tensors_in
 from minddp.reducer import CommHook, Reducer
 
 # Backends whose all-reduce can average in place (ReduceOp.AVG); the others get a pre-scaled SUM.
@@ -128,12 +129,13 @@ class DataParallel(nn.Module, Joinable):
         if self._join_config.enable:
             self._all_reduce_flag(averaged)
         if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", self.device_ids[0]))
+            device = torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(device, non_blocking=True))
         output = self.module(*inputs, **kwargs)
         self._buffers_due = averaged
         if averaged and self.find_unused_parameters:
             # A rank whose loss reaches no parameter still has to take part in the averaging.
-            for tensor in _tensors_in(output):
+            for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._queue_finish)
         return output
@@ -330,31 +332,6 @@ def _check_device_ids(module: nn.Module, device_ids: Sequence[int | torch.device
 
 def _cuda_index(device: int | torch.device) -> int | None:
     return device if isinstance(device, int) else torch.device(device).index
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it (in tuples, lists and dicts) moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_to_device(x, device) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``obj`` (in tuples, lists and dicts)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors_in(x)
 
 
 def _first_difference(reference: Sequence[tuple], other: Sequence[tuple], rank: int) -> str | None:

@@ -22,6 +22,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from minddp.collectives import all_gather_objects
 from minddp.fsdp_comm import FlatCollectives, PendingReduce
 from minddp.fsdp_unit import FlatUnit, ParamSlot
+from minddp.nested import map_tensors, tensors_in
 
 
 class FSDP(nn.Module):
@@ -411,25 +412,13 @@ def _slots(root: nn.Module, params: list[nn.Parameter], names: dict[int, str]) -
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating-point tensor in it (nested tuples, lists, dicts) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: _cast_floats(item, dtype) for key, item in value.items()}
-    return value
+    """``value`` with every floating-point tensor in it cast to ``dtype``."""
+    return map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _tensors_needing_grad(output: Any) -> list[torch.Tensor]:
-    """The tensors in a (nested) tuple, list or dict output that will receive gradients."""
-    if isinstance(output, torch.Tensor):
-        return [output] if output.requires_grad else []
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors_needing_grad(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors_needing_grad(item)]
-    return []
+    """The tensors in an output that will receive gradients."""
+    return [t for t in tensors_in(output) if t.requires_grad]
 
 
 def _after(order: list[FlatUnit], unit: FlatUnit) -> FlatUnit | None:
