@@ -18,8 +18,7 @@ def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None) -> FSD
     """``module`` fully sharded over the default group. With ``compute_dtype``, the weights of its Linear
     and Embedding modules compute in it and every other module's (the norms') in fp32, as the
     assignment's mixed-precision reference does (and as autocast keeps norms)."""
-    keep = {type(m) for m in module.modules()
-            if type(m).__name__ not in CAST_MODULES and any(True for _ in m.parameters(recurse=False))}
+    keep = {type(m) for m in module.modules() if type(m).__name__ not in CAST_MODULES and m._parameters}
     return FSDP(module, compute_dtype=compute_dtype, keep_dtype_modules=keep)
 
 
