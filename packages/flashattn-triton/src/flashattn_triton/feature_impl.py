@@ -214,20 +214,8 @@ def feature_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_impl.attention_forward's (O, L), from _feature_kernels.attn_fwd."""
     q, k, v = (_unit_last(t) for t in (q, k, v))
-    p = _problem(
-        q,
-        k,
-        attn_mask,
-        dropout_p,
-        rng_state,
-        scale,
-        window_left,
-        window_right,
-        diagonal_offset,
-        cu_seqlens_q,
-        max_seqlen_q,
-        max_seqlen_k,
-    )
+    p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
+                 cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
@@ -289,20 +277,8 @@ def feature_backward(
     """torch_impl.attention_backward's (dQ, dK, dV), from _feature_kernels.attn_bwd_dkdv then attn_bwd_dq:
     no atomics, so bitwise repeatable."""
     q, k, v, grad_out = (_unit_last(t) for t in (q, k, v, grad_out))
-    p = _problem(
-        q,
-        k,
-        attn_mask,
-        dropout_p,
-        rng_state,
-        scale,
-        window_left,
-        window_right,
-        diagonal_offset,
-        cu_seqlens_q,
-        max_seqlen_q,
-        max_seqlen_k,
-    )
+    p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
+                 cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
     grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grads)
