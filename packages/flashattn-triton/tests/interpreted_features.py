@@ -173,6 +173,32 @@ def test_gqa_without_mask_or_band_runs_the_tuned_kernels_on_stacked_groups(monke
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
 
 
+def test_causal_gqa_runs_the_tuned_kernels_on_repeated_keys_and_values(monkeypatch):
+    from flashattn_triton import triton_impl
+
+    def no_feature_kernels(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
+    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    launched = []
+    original = triton_impl.triton_backward
+    monkeypatch.setattr(
+        triton_impl, "triton_backward", lambda *a, **kw: launched.append(1) or original(*a, **kw)
+    )
+    q, k, v, grad_out = qkv(q_heads=6, kv_heads=2)
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*tensors, is_causal=True, enable_gqa=True, return_lse=True)
+    grad_lse = torch.randn(lse.shape)
+    torch.autograd.backward([out, lse], [grad_out, grad_lse])
+    assert launched
+    args = op_arguments(q, k, v, is_causal=True, enable_gqa=True)
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+    got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
+    for name in NAMES:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+
+
 def _inside_guards(x: torch.Tensor, rows: int = 40) -> torch.Tensor:
     """x as the middle of a buffer with `rows` NaN rows on each side: a kernel that reads past x's rows
     brings NaN into its results."""
