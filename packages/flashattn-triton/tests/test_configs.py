@@ -102,6 +102,20 @@ def test_head_dims_below_64_count_as_64_toward_the_small_problem_size(monkeypatc
     assert small == {16384: True, 32768: False}
 
 
+def test_many_heads_fill_the_gpu_and_take_the_large_problem_path(monkeypatch):
+    """The xl model's attention, (100, 2048, 64), is little work per head but 1600 query tiles: the GPU is
+    full, so it takes the large path (preprocessed D, atomic dQ allowed). Up to SMALL_PROBLEM_TILES query
+    tiles of 128 rows (16 heads of 2048, 2 of 16384) a problem of little work stays small."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(triton_impl, "_plans", {})
+    small = {}
+    for heads, seqlen in ((100, 2048), (1, 2048), (16, 2048), (17, 2048), (2, 16384)):
+        q = torch.zeros(1, heads, seqlen, 64, dtype=torch.bfloat16)
+        small[heads, seqlen] = triton_impl._plan("bwd", q, (q, q, q, q, q), True, None, None).problem.small
+    assert small == {(100, 2048): False, (1, 2048): True, (16, 2048): True, (17, 2048): False,
+                     (2, 16384): True}  # fmt: skip
+
+
 def test_split_backward_dq_launch_takes_its_own_steps():
     """A split backward's dQ launch steps dq_block_m keys at a time with dq_stages stages; without a split
     there is no dQ launch to give them to; a GPU short of shared memory first drops them."""

@@ -27,6 +27,11 @@ from flashattn_triton._configs import (
 # kernel, saving the preprocess launch; their forward may split its key tiles among programs; the Gluon
 # kernels, tuned for throughput, are left to larger problems.
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
+# ... and whose query tiles of 128 rows, over all heads, are at most about two waves of an H100's 132 SMs:
+# with more, the GPU is busy enough that the preprocess launch beats D's loads in every step, and atomic dQ
+# can pay ((100, 2048, 64) bf16 backward 0.61 -> 0.50 ms, (32, 2048, 64) 0.21 -> 0.19 ms;
+# decisions.md#many-heads-backward).
+SMALL_PROBLEM_TILES = 256
 
 
 def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:
@@ -37,8 +42,11 @@ def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) 
 
 
 def is_small_problem(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> bool:
-    """Whether a problem takes the small-problem path (its problem_work below SMALL_PROBLEM_WORK)."""
-    return problem_work(batch_heads, seqlen_q, seqlen_k, head_dim) < SMALL_PROBLEM_WORK
+    """Whether a problem takes the small-problem path: its problem_work below SMALL_PROBLEM_WORK and its
+    query tiles at most SMALL_PROBLEM_TILES."""
+    tiles = batch_heads * -(-seqlen_q // 128)
+    return problem_work(batch_heads, seqlen_q, seqlen_k, head_dim) < SMALL_PROBLEM_WORK and (
+        tiles <= SMALL_PROBLEM_TILES)
 
 
 def size_class(n: int) -> int:
