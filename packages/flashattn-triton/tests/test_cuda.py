@@ -217,6 +217,24 @@ def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch, lead
     assert chosen["bwd"] in _configs.backward_candidates(64, 2, False)
 
 
+def test_tuning_times_the_gpu_not_the_host():
+    """A call that spends 1 ms on the host before a ~µs kernel: do_bench (ordinary calls, as the tuner
+    timed before) measures the host's millisecond; gpu_milliseconds the kernel alone, so a host-bound
+    problem's configs are ranked by what they cost the GPU."""
+    import time
+
+    from triton.testing import do_bench
+
+    x = torch.ones(1024, device="cuda")
+
+    def host_bound() -> None:
+        time.sleep(1e-3)
+        x.mul_(1.0)
+
+    assert do_bench(host_bound, warmup=1, rep=20, return_mode="median") > 0.9
+    assert _launcher.gpu_milliseconds(host_bound, 4) < 0.1
+
+
 BACKWARD_VARIANTS = [
     BackwardConfig(32, 128, 8, 2, atomic_dq=True),
     BackwardConfig(64, 64, 4, 2, atomic_dq=True),

@@ -146,20 +146,18 @@ def test_small_problems_are_offered_split_key_tiles_by_size_class():
 
 def test_candidates_are_timed_in_interleaved_rounds_and_keep_their_best(monkeypatch):
     """Round after round over every candidate (not one candidate's runs after another's, which let the GPU's
-    clock ramp decide), each keeping its fastest median; one that fails is dropped with a warning."""
-    import triton.testing
-
+    clock ramp decide), each keeping its fastest GPU time; one that fails is dropped with a warning."""
     order = []
     scripted = {0: iter([5.0, 1.0, 1.0]), 1: iter([2.0, 2.0, 2.0])}
 
-    def do_bench(fn, warmup, rep, return_mode):
+    def gpu_milliseconds(fn, rep_ms):
         index = fn()
         order.append(index)
         if index == 2:
             raise RuntimeError("this build is broken")
         return next(scripted[index])
 
-    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(_tuning, "gpu_milliseconds", gpu_milliseconds)
     with pytest.warns(RuntimeWarning, match="failed while tuning"):
         times = _tuning.TuningCache._time(CANDIDATES.index, CANDIDATES)
     assert order == [0, 1, 2] + [0, 1] * (_tuning.ROUNDS - 1)

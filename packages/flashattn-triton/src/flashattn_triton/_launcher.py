@@ -20,6 +20,7 @@ import functools
 import inspect
 import operator
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -108,6 +109,36 @@ def plain_eager(t: torch.Tensor) -> bool:
         and torch._C._len_torch_dispatch_stack() == 0
         and not torch._C._are_functorch_transforms_active()
     )
+
+
+# GPU clock cycles a millisecond, rounded up from an H100's boost clock (1.98 GHz): a queue's sleep lasts
+# at least as long as planned on any GPU clocked lower.
+_CYCLES_PER_MS = 2_000_000
+
+
+def gpu_milliseconds(fn: Callable[[], None], rep_ms: float) -> float:
+    """fn's GPU time a call (on the current stream), host time excluded: about rep_ms worth of calls queued
+    behind a sleep kernel (``torch.cuda._sleep``, private torch) that lasts longer than the host takes to
+    queue them, so the GPU runs them back to back. Timed as ordinary calls, a small problem's configs
+    measure the host's time per call (a split forward's second launch: slower), and the choice depends
+    on the host and the moment (decisions.md#tuning-gpu-time)."""
+    fn()  # (compiles, fills caches)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    host = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    host_ms = (time.perf_counter() - host) * 1e3
+    end.synchronize()
+    calls = max(2, min(1000, int(rep_ms / max(start.elapsed_time(end), 1e-3))))
+    torch.cuda._sleep(int(2 * (calls + 1) * host_ms * _CYCLES_PER_MS))
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -25,14 +25,16 @@ from typing import Any
 
 import torch
 
-from flashattn_triton._launcher import out_of_resources
+from flashattn_triton._launcher import gpu_milliseconds, out_of_resources
 from flashattn_triton._planning import Problem, describe
 
-FORMAT = 1  # the cache files' layout; a change makes a new subdirectory rather than misread old files
+# The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
+# old files (2: choices by GPU time, _launcher.gpu_milliseconds).
+FORMAT = 2
 # Candidates within this fraction of the fastest count as tied, and the first of them (the default order)
-# wins: do_bench's medians of near-equal kernels differ by about this much from process to process.
+# wins: the GPU times of near-equal kernels differ by about this much from process to process.
 TIE = 0.01
-ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and do_bench's measuring time for each, ms
+ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and the GPU time queued for each, ms
 
 
 def autotune_enabled() -> bool:
@@ -108,10 +110,9 @@ class TuningCache:
 
     @staticmethod
     def _time(run: Callable[[Any], None], candidates: list) -> dict[Any, float]:
-        """Each candidate's best median over ROUNDS rounds of all candidates: timed one after another once,
-        the first candidates met a GPU still raising its clocks, and the order decided the choice."""
-        from triton.testing import do_bench
-
+        """Each candidate's best GPU time a call (_launcher.gpu_milliseconds) over ROUNDS rounds of all
+        candidates: timed one after another once, the first candidates met a GPU still raising its clocks,
+        and the order decided the choice."""
         times: dict[Any, float] = {}
         failed = set()
         for _ in range(ROUNDS):
@@ -119,7 +120,7 @@ class TuningCache:
                 if candidate in failed:
                     continue
                 try:
-                    ms = do_bench(lambda c=candidate: run(c), warmup=1, rep=ROUND_MS, return_mode="median")
+                    ms = gpu_milliseconds(lambda c=candidate: run(c), ROUND_MS)
                 except Exception as exc:  # too big for this GPU, or a build this Triton refuses: skipped
                     failed.add(candidate)
                     times.pop(candidate, None)
