@@ -17,8 +17,8 @@ needs them added here.
     KERNELS_FILE=/tmp/old_kernels.py python scripts/compile_sm90.py bwd:32/64/4/1
 
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES[/ATOMIC_DQ][:FLAGS], FLAGS from transposed (the
-backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward) and split (the forward's
-SPLIT_KV), comma-separated.
+backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward), split (the forward's
+SPLIT_KV) and band (BAND, a sliding window; CAUSAL off, as the launcher passes it), comma-separated.
 KERNELS_FILE compiles another version of _kernels.py (an experiment, an older commit's).
 """
 
@@ -61,12 +61,13 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
                  "V": desc(ty, *value, small), "Out": desc(ty, block_m, block_d, small), "L": "*fp32",
                  "Partials": "*fp32",
                  "batch": "i32", "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
-                 "qk_scale": "fp32"}  # fmt: skip
+                 "qk_scale": "fp32", "window_left": "i32", "window_right": "i32"}  # fmt: skip
     split = "split" in flags
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "CAUSAL": causal,
-                  "INPUT_PRECISION": precision, "SPLIT_KV": split}  # fmt: skip
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+                  "CAUSAL": causal and "band" not in flags, "INPUT_PRECISION": precision, "SPLIT_KV": split,
+                  "BAND": "band" in flags}  # fmt: skip
     constexprs.update(dict.fromkeys(["Out" if split else "Partials"]))
-    # A KERNELS_FILE from before SPLIT_KV lacks it and the partials.
+    # A KERNELS_FILE from before SPLIT_KV or BAND lacks them and their arguments.
     signature = {name: x for name, x in signature.items() if name in kernels.attn_fwd.arg_names}
     constexprs = {name: x for name, x in constexprs.items() if name in kernels.attn_fwd.arg_names}
     return kernels.attn_fwd, signature, constexprs
@@ -74,7 +75,8 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
 
 def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, atomic: bool, flags: set,
                     causal: bool, small: bool):  # fmt: skip
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "CAUSAL": causal,
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
+                  "CAUSAL": causal and "band" not in flags, "BAND": "band" in flags,
                   "ATOMIC_DQ": atomic, "DELTA_FROM_O": False,
                   "INPUT_PRECISION": "tf32x3" if ty == "fp32" else "tf32",
                   "TRANSPOSED_GRADS": "transposed" in flags,
@@ -82,7 +84,7 @@ def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, 
                   "O_S": None, "O_T": None}  # fmt: skip
     if not atomic:
         constexprs["DQ_ACC"] = None
-    # A KERNELS_FILE from before TRANSPOSED_GRADS and PHASE lacks them.
+    # A KERNELS_FILE from before TRANSPOSED_GRADS, PHASE and BAND lacks them.
     constexprs = {name: x for name, x in constexprs.items() if name in kernels.attn_bwd.arg_names}
     signature = {}
     for name in kernels.attn_bwd.arg_names:
@@ -134,9 +136,11 @@ def compile_one(kernels, spec: str, block_d: int, ty: str, causal: bool, small: 
         fn, signature, constexprs = backward_source(kernels, ty, block_d, block_m, block_n, atomic, flags,
                                                     causal, small)  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
-    # As the JIT specializes a large problem: 16-aligned pointers, integers divisible by 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name] == "i32" or signature[name].startswith("*")}  # fmt: skip
+    # As the JIT specializes a large problem: 16-aligned pointers, integers divisible by 16 (but the
+    # window's, which the kernels do not specialize on).
+    specialized = [name for name in fn.arg_names if signature[name].startswith("*")
+                   or signature[name] == "i32" and not name.startswith("window_")]  # fmt: skip
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in specialized}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.time()
     try:

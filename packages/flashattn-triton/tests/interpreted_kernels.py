@@ -20,6 +20,7 @@ from flashattn_triton import (
     _planning,
     flash_attention,
     ops,
+    torch_impl,
     triton_impl,
 )
 from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
@@ -307,3 +308,139 @@ def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, 
 
 def test_gradients_through_lse_and_out(check_gradients_through_lse):
     check_gradients_through_lse("cpu", seqlen=40)
+
+
+# Bands (sliding windows): ((B, H), Tq, Tk, d, causal, window). Lengths are no multiple of the
+# interpreter's tiles (32 x 16 forward, 16 x 32 backward), so that every edge meets ragged tiles.
+BAND_CASES = [
+    ((2, 1), 45, 45, 16, True, (0, 0)),  # the diagonal alone
+    ((1, 2), 45, 45, 32, True, (1, 0)),
+    ((2, 1), 77, 77, 16, True, (16, 0)),  # a key tile wide
+    ((2, 1), 77, 77, 24, True, (33, -1)),  # (the right side is 0 under is_causal)
+    ((1, 1), 50, 50, 16, True, (200, 0)),  # wider than the sequence: causal attention
+    ((2, 1), 61, 61, 16, False, (9, 4)),
+    ((1, 2), 61, 61, 16, False, (7, -1)),
+    ((1, 2), 61, 61, 16, False, (-1, 5)),
+    ((2, 1), 50, 20, 16, True, (5, 0)),  # Tq > Tk: rows from 25 on see no key
+    ((2, 1), 20, 50, 16, False, (5, 3)),
+]
+
+
+BAND_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+def band_case_id(case: tuple) -> str:
+    lead, seqlen_q, seqlen_k, head_dim, is_causal, window = case
+    return f"{seqlen_q}x{seqlen_k}-d{head_dim}-{'causal' if is_causal else 'full'}-{window[0]}-{window[1]}"
+
+
+def band_problem(case: tuple, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    lead, seqlen_q, seqlen_k, head_dim, _, _ = case
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, grad_out = (torch.randn(*lead, t, head_dim, generator=generator)
+                         for t in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))  # fmt: skip
+    return q, k, v, grad_out
+
+
+def band_reference(q, k, v, grad_out, is_causal: bool, window: tuple[int, int], scale: float) -> dict:
+    """O, L and the gradients of the PyTorch path (checked against naive float64 attention in
+    test_features.py) in float64, where query i sees the keys i - left .. i + right."""
+    left, right = window
+    options = {"scale": scale, "window_left": left, "window_right": 0 if is_causal else right,
+               "diagonal_offset": 0}  # fmt: skip
+    q, k, v, grad_out = (t.double() for t in (q, k, v, grad_out))
+    out, lse = torch_impl.attention_forward(q, k, v, **options)
+    grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+    return dict(zip(BAND_NAMES, (out, lse, *grads), strict=True))
+
+
+def assert_band_close(got: dict, want: dict) -> None:
+    """Each result within 1e-4 of the largest reference value; rows that see no key exactly O = 0 (and
+    their dQ 0), L = -inf."""
+    for name in BAND_NAMES:
+        assert got[name].shape == want[name].shape, name
+        unseen = want[name] == float("-inf")
+        assert torch.equal(got[name] == float("-inf"), unseen), f"{name}: rows that see no key differ"
+        g, w = got[name].double().masked_fill(unseen, 0), want[name].masked_fill(unseen, 0)
+        assert torch.isfinite(g).all(), f"{name} has non-finite values"
+        error = (g - w).abs().max().item() / max(w.abs().max().item(), 1.0)
+        assert error <= 1e-4, f"{name}: max error {error:.2e} relative to max |reference|"
+
+
+def run_band(case, forward=None, backward=None, scale=0.3) -> tuple[dict, dict]:
+    """(the tuned kernels' results, the reference's) for a band case, with the given configs."""
+    *_, is_causal, window = case
+    q, k, v, grad_out = band_problem(case)
+    out, lse = triton_forward(q, k, v, is_causal, scale, forward, window=window)
+    grads = triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, backward, window=window)
+    got = dict(zip(BAND_NAMES, (out, lse, *grads), strict=True))
+    return got, band_reference(q, k, v, grad_out, is_causal, window, scale)
+
+
+@pytest.mark.parametrize("case", BAND_CASES, ids=[band_case_id(c) for c in BAND_CASES])
+def test_bands_match_the_float64_pytorch_path(case):
+    assert_band_close(*run_band(case))
+
+
+BAND_CONFIG_CASES = [BAND_CASES[3], BAND_CASES[5], BAND_CASES[8]]
+BAND_BACKWARDS = {
+    "atomic-dq": BackwardConfig(16, 32, 4, 1, atomic_dq=True),
+    "wide-steps": BackwardConfig(32, 16, 4, 1),
+    "transposed": BackwardConfig(16, 32, 4, 1, transposed_grads=True),
+    "split": BackwardConfig(16, 32, 4, 1, split=True),
+    "transposed-split-own-dq-steps": BackwardConfig(32, 32, 4, 1, transposed_grads=True, split=True,
+                                                    dq_block_m=16, dq_stages=2),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("backward", BAND_BACKWARDS.values(), ids=BAND_BACKWARDS.keys())
+@pytest.mark.parametrize("case", BAND_CONFIG_CASES, ids=[band_case_id(c) for c in BAND_CONFIG_CASES])
+def test_bands_in_every_backward_variant(case, backward):
+    """dQ added up atomically or in its own phase, steps wider than tiles, transposed accumulators and the
+    two launches of a split backward, each visiting only the band's tiles."""
+    assert_band_close(*run_band(case, backward=backward))
+
+
+@pytest.mark.parametrize("kv_splits", [3, 5])
+@pytest.mark.parametrize("case", BAND_CONFIG_CASES, ids=[band_case_id(c) for c in BAND_CONFIG_CASES])
+def test_bands_with_split_key_tiles(case, kv_splits):
+    """The band's unmasked tiles shared among the splits, its edges in the last one: splits that see none
+    of a row's keys weigh 0, and a row that no split sees gets O = 0 and L = -inf."""
+    forward = ForwardConfig(16, 16, 4, 1, kv_splits=kv_splits)
+    assert_band_close(*run_band(case, forward=forward))
+
+
+@pytest.mark.parametrize(("is_causal", "window"), [(True, (10, 0)), (False, (4, 6))], ids=["causal", "both"])
+def test_flash_attention_runs_bands_on_the_tuned_kernels(monkeypatch, is_causal, window):
+    """flash_attention's window_size where Tq = Tk and the heads match: the tuned kernels (not the feature
+    kernels), against SDPA with the band as a dense boolean mask, in float64 on the same inputs."""
+    from flashattn_triton import feature_impl
+
+    def no_feature_kernels(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
+    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    q, k, v, grad_out = band_problem(((2, 3), 45, 45, 16, is_causal, window), seed=1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, is_causal=is_causal, window_size=window, return_lse=True)
+    out.backward(grad_out)
+    rows, cols = torch.arange(45)[:, None], torch.arange(45)[None, :]
+    left, right = window
+    visible = (cols >= rows - left) & (cols <= rows + (0 if is_causal else right))
+    references = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*references, attn_mask=visible)
+    want.backward(grad_out.double())
+    scores = (references[0] @ references[1].transpose(-2, -1) / 4).masked_fill(~visible, float("-inf"))
+    got = [out, lse, *(t.grad for t in leaves)]
+    wanted = [want, scores.logsumexp(-1), *(t.grad for t in references)]
+    for name, g, w in zip(BAND_NAMES, got, wanted, strict=True):
+        torch.testing.assert_close(g.double(), w.detach(), atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_opcheck_of_a_band():
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    options = (None, 0.0, None, 0.25, 5, 0, 0, None, None, 0, 0)
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
+    out, lse = ops.attn_fwd(q, k, v, *options)
+    torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *options, False))

@@ -4,6 +4,8 @@ naive float64 attention), forward and backward; dropout, determinism, routing an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -254,3 +256,96 @@ def test_gqa_without_mask_or_band_on_stacked_groups_matches_float64(dtype):
     out.backward(grad_out)
     got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
     assert_close(got, float64_torch_path(op_arguments(q, k, v, enable_gqa=True), grad_out), dtype)
+
+
+BAND_CASES = {  # name: (batch, heads, T, d), is_causal, window_size; the tuned kernels' bands (Tq = Tk)
+    "causal-100": ((1, 4, 1030, 64), True, (100, 0)),
+    "causal-0": ((2, 2, 300, 64), True, (0, 0)),
+    "causal-1": ((2, 2, 257, 32), True, (1, 0)),
+    "causal-128-d128": ((1, 4, 1100, 128), True, (128, -1)),
+    "causal-wider-than-t": ((1, 2, 513, 128), True, (4000, 0)),
+    "both-sides": ((2, 2, 513, 128), False, (37, 12)),
+    "left-only": ((1, 3, 700, 32), False, (200, -1)),
+    "right-only-d256": ((1, 2, 300, 256), False, (-1, 64)),
+}
+
+
+def no_feature_kernels(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", refuse)
+    monkeypatch.setattr(feature_impl, "feature_backward", refuse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", BAND_CASES)
+def test_bands_on_the_tuned_kernels_match_float64(monkeypatch, case, dtype):
+    """flash_attention's sliding windows where Tq = Tk and the heads match: the tuned kernels' band."""
+    no_feature_kernels(monkeypatch)
+    (batch, heads, seqlen, head_dim), is_causal, window = BAND_CASES[case]
+    q, k, v, grad_out = qkv(batch, heads, heads, seqlen, seqlen, head_dim, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, is_causal=is_causal, window_size=window, return_lse=True)
+    out.backward(grad_out)
+    got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
+    args = op_arguments(q, k, v, is_causal=is_causal, window_size=window)
+    assert_close(got, float64_torch_path(args, grad_out), dtype)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.float32, 128)],
+                         ids=["bfloat16-d64", "float32-d128"])  # fmt: skip
+def test_every_candidate_config_runs_a_band(dtype, head_dim):
+    """Each forward candidate (and its split key tiles) and each backward candidate (atomic dQ, dQ phase,
+    transposed, split launches) of the dtype, forced, on a causal window."""
+    from flashattn_triton._configs import backward_candidates, forward_candidates
+
+    q, k, v, grad_out = qkv(1, 4, 4, 1500, 1500, head_dim, dtype)
+    scale, window = head_dim**-0.5, (300, 0)
+    args = op_arguments(q, k, v, is_causal=True, window_size=window)
+    want = float64_torch_path(args, grad_out)
+    forwards = forward_candidates(head_dim, dtype.itemsize, False)
+    forwards += [dataclasses.replace(c, kv_splits=4) for c in forwards]
+    for forward in forwards:
+        got_out, got_lse = triton_impl.triton_forward(q, k, v, True, scale, forward, window=window)
+        for backward in backward_candidates(head_dim, dtype.itemsize, False):
+            grads = triton_impl.triton_backward(q, k, v, got_out, got_lse, grad_out, True, scale, backward,
+                                                window=window)  # fmt: skip
+            got = dict(zip(NAMES, (got_out, got_lse, *grads), strict=True))
+            assert_close(got, want, dtype)
+
+
+def test_one_compiled_kernel_serves_every_window(monkeypatch):
+    """The window reaches the kernels as runtime integers they do not specialize on: after the first
+    window, others (a multiple of 16, and 1, which Triton would specialize) compile nothing."""
+    from triton import knobs
+
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")
+    q, k, v, grad_out = qkv(1, 2, 2, 700, 700, 64, torch.bfloat16)
+    compiled = []
+
+    def run(window):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flash_attention(*leaves, is_causal=True, window_size=window).backward(grad_out)
+
+    run((100, 0))
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: compiled.append(kw["fn"].name))
+    for window in ((1024, 0), (1, 0), (47, 0)):
+        run(window)
+    torch.cuda.synchronize()
+    assert not [name for name in compiled if name in ("attn_fwd", "attn_bwd")], compiled
+
+
+def test_bands_route_to_the_tuned_kernels_only_where_they_apply(monkeypatch):
+    calls = []
+    for module, name in ((feature_impl, "feature_forward"), (triton_impl, "triton_forward")):
+        original = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+        )
+    q, k, v, _ = qkv(1, 4, 4, 256, 256, 64, torch.bfloat16)
+    flash_attention(q, k, v, is_causal=True, window_size=(64, 0))
+    flash_attention(q, k, v, window_size=(64, 32))
+    flash_attention(q, k[:, :2], v[:, :2], is_causal=True, window_size=(64, 0), enable_gqa=True)
+    flash_attention(q[:, :, :100], k, v, window_size=(64, 32))  # Tq != Tk
+    assert calls == ["triton_forward", "triton_forward", "feature_forward", "feature_forward"]

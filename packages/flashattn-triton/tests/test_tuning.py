@@ -144,6 +144,21 @@ def test_small_problems_are_offered_split_key_tiles_by_size_class():
     assert _planning.size_class(4000) == 4096 and _planning.size_class(4096) == 4096
 
 
+def test_bands_get_no_gluon_kernels_and_split_key_tiles_only_where_their_span_is_long():
+    """A band (sliding window) is tuned apart from the full problem and by its span's size class; the
+    Gluon kernels, which have no band, are never its candidates; split key tiles are offered by the keys
+    a query tile walks, its band's span rather than Tk."""
+    full = Problem("fwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
+    band = dataclasses.replace(full, band_span=1025)
+    assert any(c.hopper for c in candidates(full)) and not any(c.hopper for c in candidates(band))
+    assert band.size_key != full.size_key
+    assert band.size_key != dataclasses.replace(full, band_span=4097).size_key
+    assert band.size_key == dataclasses.replace(full, band_span=2000).size_key
+    one_head = Problem("fwd", 1, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132)
+    assert any(c.kv_splits > 1 for c in candidates(dataclasses.replace(one_head, band_span=4096)))
+    assert not any(c.kv_splits > 1 for c in candidates(dataclasses.replace(one_head, band_span=200)))
+
+
 def test_candidates_are_timed_in_interleaved_rounds_and_keep_their_best(monkeypatch):
     """Round after round over every candidate (not one candidate's runs after another's, which let the GPU's
     clock ramp decide), each keeping its fastest GPU time; one that fails is dropped with a warning."""

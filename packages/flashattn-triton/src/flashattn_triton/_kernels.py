@@ -29,6 +29,14 @@ Segments: a key tile is either fully visible to a query tile (no mask computed a
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
 and the masked ones after, and causal tiles that are fully masked are never visited. Ragged query
 rows load as zeros, are never stored, and in the backward read L = +inf so that their P is exactly 0.
+
+Band (BAND, a sliding window): query i sees key j iff i - window_left <= j <= i + window_right, both
+runtime integers (the host passes an unbounded side as the sequence length, and a causal window as
+window_right = 0), so one compiled kernel serves every window; without BAND the code is compiled out.
+Every loop visits only the tiles that meet the band (_band_segments): masked tiles at its lower and
+upper edges, unmasked ones between them. A band's edge tile may hold no key of some of its rows, so
+its online softmax keeps m = -inf for such rows and subtracts 0 instead; a row that sees no key at
+all (possible only where Tq != Tk) gets O = 0 and L = -inf.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
+# The band's bounds are not specialized on (as integers of 1 or multiples of 16 would be): one compiled
+# kernel serves every window.
+_WINDOW = ["window_left", "window_right"]
 
 
 @triton.jit
@@ -181,10 +192,15 @@ def _load_rows(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr):
+def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr, window_left,
+             window_right, BAND_MASK: tl.constexpr):  # fmt: skip
     """Which (row, col) scores the masks keep: key <= query under CAUSAL_MASK, key < seqlen_k under
-    KEY_MASK (at least one of them is set)."""
-    if CAUSAL_MASK:
+    KEY_MASK, row - window_left <= key <= row + window_right under BAND_MASK (which implies KEY_MASK; at
+    least one of them is set)."""
+    if BAND_MASK:
+        visible = _in_band(rows[:, None], cols[None, :], window_left, window_right)
+        visible = visible & (cols[None, :] < seqlen_k)
+    elif CAUSAL_MASK:
         visible = rows[:, None] >= cols[None, :]
         if KEY_MASK:
             visible = visible & (cols[None, :] < seqlen_k)
@@ -194,28 +210,58 @@ def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.const
 
 
 @triton.jit
+def _in_band(rows, cols, window_left, window_right):
+    return (cols >= rows - window_left) & (cols <= rows + window_right)
+
+
+@triton.jit
+def _band_segments(start, size, before, after, length, BLOCK: tl.constexpr):
+    """The tiles of BLOCK indices (along an axis of `length`) that the band meets for the indices [start,
+    start + size) of the other axis, index x seeing [x - before, x + after]: (lo, unmasked_lo, unmasked_hi,
+    hi), masked tiles in [lo, unmasked_lo) and [unmasked_hi, hi), tiles that every x sees whole in
+    [unmasked_lo, unmasked_hi). Tile-aligned but for hi (and unmasked_lo where it equals hi); the loops
+    over [a, b) visit the tiles that begin before b. (Operands of // stay >= 0: Triton's integer division
+    truncates.)"""
+    lo = tl.maximum(start - before, 0) // BLOCK * BLOCK
+    hi = tl.minimum(start + size + after, length)
+    unmasked_lo = tl.cdiv(tl.maximum(start + size - 1 - before, 0), BLOCK) * BLOCK
+    unmasked_lo = tl.maximum(lo, tl.minimum(unmasked_lo, hi))
+    unmasked_hi = tl.maximum(unmasked_lo, tl.minimum(start + 1 + after, length) // BLOCK * BLOCK)
+    return lo, unmasked_lo, unmasked_hi, hi
+
+
+@triton.jit
 def _fwd_key_tiles(
     acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK say so."""
+    """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK / BAND_MASK
+    say so."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
-        if CAUSAL_MASK or KEY_MASK:
-            visible = _visible(offs_m, start_n + offs_n, seqlen_k, CAUSAL_MASK, KEY_MASK)
-            # Every row sees key 0 in the first tile it visits, so m_new is finite and the
-            # masked entries become exp2(-inf) = 0, never NaN.
+        if CAUSAL_MASK or KEY_MASK or BAND_MASK:
+            visible = _visible(offs_m, start_n + offs_n, seqlen_k, CAUSAL_MASK, KEY_MASK, window_left,
+                               window_right, BAND_MASK)  # fmt: skip
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.math.exp2(qk - m_new[:, None])
+            if BAND_MASK:
+                # A row may have seen no key yet (m_new = -inf): subtracting 0 instead keeps its p and
+                # alpha 0, not exp2(-inf + inf) = NaN, and its m stays -inf for the tiles to come.
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                # Every row sees key 0 in the first tile it visits, so m_new is finite and the
+                # masked entries become exp2(-inf) = 0, never NaN.
+                m_ref = m_new
+            p = tl.math.exp2(qk - m_ref[:, None])
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_ref = m_new
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v, v_low = _load_value_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
@@ -224,20 +270,22 @@ def _fwd_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_WINDOW)
 def attn_fwd(
     Q, K, V, Out, L, Partials, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,).
     Under SPLIT_KV, grid (tiles * Z * H, splits): program (i, s) walks the s-th share of the key tiles
-    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh."""
+    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh. BAND (not with
+    CAUSAL, which it includes as window_right = 0): the band of the module docstring."""
+    tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     tile = pid % num_tiles
     bh = pid // num_tiles
-    if CAUSAL:  # the last query tiles see the most keys: start them first
+    if CAUSAL or BAND:  # the last query tiles see the most keys (or as many as any): start them first
         tile = num_tiles - 1 - tile
     z = bh // heads
     h = bh % heads
@@ -253,32 +301,46 @@ def attn_fwd(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
+    start_n = 0  # the unmasked tiles [start_n, unmasked_end), then the masked ones up to masked_end
+    if BAND:  # and the masked tiles [band_start, band_end) at the band's lower edge
+        band_start, start_n, unmasked_end, masked_end = _band_segments(
+            start_m, BLOCK_M, window_left, window_right, seqlen_k, BLOCK_N)  # fmt: skip
+        band_end = start_n
+    elif CAUSAL:
         # Tile [n, n + BLOCK_N) is unmasked for every row of this tile iff n + BLOCK_N <= start_m + 1.
         unmasked_end = (tl.minimum(start_m + 1, seqlen_k) // BLOCK_N) * BLOCK_N
         masked_end = tl.minimum(start_m + BLOCK_M, seqlen_k)
     else:
         unmasked_end = (seqlen_k // BLOCK_N) * BLOCK_N
         masked_end = seqlen_k
-    start_n = 0
     if SPLIT_KV:
         # Split s takes the unmasked tiles [s * u / S, (s + 1) * u / S) and the last split the masked ones
         # too. So a split either sees no key (l = 0) or its rows all see its first key (unmasked_end <=
-        # start_m): m stays finite where the masks are applied.
+        # start_m): m stays finite where the masks are applied (a band's masked tiles keep it finite
+        # themselves).
         split = tl.program_id(1)
         splits = tl.num_programs(1)
-        unmasked_tiles = unmasked_end // BLOCK_N
-        start_n = split * unmasked_tiles // splits * BLOCK_N
-        unmasked_end = (split + 1) * unmasked_tiles // splits * BLOCK_N
-        masked_end = tl.where(split == splits - 1, masked_end, unmasked_end)
+        last = split == splits - 1
+        unmasked_tiles = (unmasked_end - start_n) // BLOCK_N
+        if BAND:  # the lower edge, as the upper, in the last split only
+            band_start = tl.where(last, band_start, band_end)
+        unmasked_end = start_n + (split + 1) * unmasked_tiles // splits * BLOCK_N
+        start_n += split * unmasked_tiles // splits * BLOCK_N
+        masked_end = tl.where(last, masked_end, unmasked_end)
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, start_n, unmasked_end, seqlen_k,
-        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION,
+        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION, window_left, window_right, False,
     )  # fmt: skip
-    # The causal diagonal and the ragged end of the keys (empty for non-causal with full key tiles).
+    if BAND:
+        acc, l_i, m_i = _fwd_key_tiles(
+            acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, band_start, band_end, seqlen_k,
+            qk_scale, BLOCK_N, BLOCK_D, False, True, INPUT_PRECISION, window_left, window_right, True,
+        )  # fmt: skip
+    # The causal diagonal (a band's upper edge) and the ragged end of the keys (empty for non-causal with
+    # full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, unmasked_end, masked_end, seqlen_k,
-        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION, window_left, window_right, BAND,
     )  # fmt: skip
 
     if SPLIT_KV:
@@ -293,6 +355,8 @@ def attn_fwd(
     else:
         lse = (m_i + tl.math.log2(l_i)) * _LN2
         tl.store(L + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+        if BAND:  # rows that saw no key (l = 0, acc = 0, lse = -inf) get O = 0
+            l_i = tl.where(l_i == 0, 1.0, l_i)
         _store_tile(o_desc, z, h, start_m, (acc / l_i[:, None]).to(q.dtype), BLOCK_M, BLOCK_D)
 
 
@@ -313,11 +377,13 @@ def attn_fwd_combine(
     rows = pid % num_tiles * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     in_rows = rows < seqlen_q
-    # The largest lse_s of each row first: finite, since the last split saw at least one key.
+    # The largest lse_s of each row first: finite unless the row saw no key at all (a band's, where
+    # Tq != Tk), whose weights then are exp2(-inf - 0) = 0, total 0, O 0 and L -inf.
     lse_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for s in tl.static_range(SPLITS):
         partial = (s * batch_heads + bh).to(tl.int64) * partial_rows + rows
         lse_max = tl.maximum(lse_max, tl.load(partial_l + partial, mask=in_rows, other=0.0))
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in tl.static_range(SPLITS):
@@ -328,7 +394,7 @@ def attn_fwd_combine(
         total += weight
     out_rows = bh.to(tl.int64) * seqlen_q + rows
     tl.store(L + out_rows, (lse_max + tl.math.log2(total)) * _LN2, mask=in_rows)
-    out = (acc / total[:, None]).to(Out.dtype.element_ty)
+    out = (acc / tl.where(total == 0, 1.0, total)[:, None]).to(Out.dtype.element_ty)
     in_tile = in_rows[:, None] & (cols < head_dim)[None, :]
     tl.store(Out + out_rows[:, None] * head_dim + cols[None, :], out, mask=in_tile)
 
@@ -381,12 +447,12 @@ def _bwd_query_tiles(
     dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANSPOSED_GRADS: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K; under tf32x3 K_dq = K and the
     share is scaled), added atomically to a float32 buffer padded to whole tiles. With TRANSPOSED_GRADS
-    dk and dv hold dKᵀ and dVᵀ (see attn_bwd)."""
+    dk and dv hold dKᵀ and dVᵀ (see attn_bwd). CAUSAL_MASK or BAND_MASK (at most one) mask the scores."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -396,9 +462,16 @@ def _bwd_query_tiles(
             q_whole = _whole(q, q_low, INPUT_PRECISION)
         # Rows past the end read L = +inf, so their P is exactly 0 and they add nothing.
         l2 = _load_rows(l_ptrs + rows, rows, seqlen_q, float("inf"), ROW_MASK) * _LOG2E
+        if BAND_MASK:
+            # A row that sees no key (L = -inf) may still be in the band of the keys past the end, which
+            # this tile's (never stored) rows hold: read as +inf, its P is 0 there too, not inf (whose
+            # dS would reach dQ through the zero rows of K as inf * 0 = NaN).
+            l2 = tl.where(l2 == float("-inf"), float("inf"), l2)
         qk_t = _dot(k, k_low, tl.trans(q), tl.trans(q_low), None, INPUT_PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - l2[None, :])
-        if CAUSAL_MASK:
+        if BAND_MASK:
+            p_t = tl.where(_in_band(rows[None, :], offs_n[:, None], window_left, window_right), p_t, 0.0)
+        elif CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         do, do_low = _load_parts(do_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
         p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
@@ -427,7 +500,8 @@ def _bwd_query_tiles(
 def _bwd_key_tiles(
     dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr, window_left, window_right,
+    BAND_MASK: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi)."""
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -439,8 +513,10 @@ def _bwd_key_tiles(
         v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
-        if CAUSAL_MASK or KEY_MASK:
-            p = tl.where(_visible(offs_m, start_n + offs_n0, seqlen_k, CAUSAL_MASK, KEY_MASK), p, 0.0)
+        if CAUSAL_MASK or KEY_MASK or BAND_MASK:
+            visible = _visible(offs_m, start_n + offs_n0, seqlen_k, CAUSAL_MASK, KEY_MASK, window_left,
+                               window_right, BAND_MASK)  # fmt: skip
+            p = tl.where(visible, p, 0.0)
         dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
         ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dQᵀ += Kᵀ dSᵀ
@@ -451,13 +527,13 @@ def _bwd_key_tiles(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_WINDOW)
 def attn_bwd(
     Q_S, DO_S, K_S, V_S, Q_T, DO_T, K_T, V_T, DQ, DK, DV, L, Delta, O_S, O_T, DQ_ACC,
     batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
@@ -488,7 +564,13 @@ def attn_bwd(
     ptxas then allocates each phase's registers on its own, where float32's at d = 128 share a kernel only
     with spills. The dQ launch takes the query tiles from the last (the most keys under causal masking).
     Grids: (key tiles * Z * H,) and (query tiles * Z * H,).
+
+    BAND (not with CAUSAL): the band of the module docstring. Key tile [start, start + BLOCK_N) meets the
+    query rows [start - window_right, start + BLOCK_N - 1 + window_left], query tile [start, start +
+    BLOCK_N) the keys [start - window_left, start + BLOCK_N - 1 + window_right]: the loops visit only
+    those tiles, masked at the band's edges.
     """
+    tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
     if ATOMIC_DQ or PHASE == "dkdv":
         num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     elif PHASE == "dq":
@@ -497,7 +579,7 @@ def attn_bwd(
         num_tiles = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), tl.cdiv(seqlen_q, BLOCK_N))
     pid = tl.program_id(0)
     tile = pid % num_tiles
-    if CAUSAL and PHASE == "dq":
+    if (CAUSAL or BAND) and PHASE == "dq":
         tile = num_tiles - 1 - tile
     bh = pid // num_tiles
     z = bh // heads
@@ -530,7 +612,11 @@ def attn_bwd(
         else:
             dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        if CAUSAL:  # query rows before `start` see none of these keys
+        last = seqlen_q  # the query rows [first, last) see these keys
+        if BAND:  # and those of [unmasked_start, unmasked_end) see them all
+            first, unmasked_start, unmasked_end, last = _band_segments(
+                start, BLOCK_N, window_right, window_left, seqlen_q, BLOCK_M)  # fmt: skip
+        elif CAUSAL:  # query rows before `start` see none of these keys
             first = (start // BLOCK_M) * BLOCK_M
         else:
             first = 0
@@ -539,8 +625,28 @@ def attn_bwd(
             # spills the wgmma descriptors of K and V and reloads them on every step.
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, first, seqlen_q, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
-                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS,
+                DQ_ACC, dq_acc_rows, offs_n, first, last, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
+                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS, window_left,
+                window_right, BAND,
+            )  # fmt: skip
+        elif BAND:  # the unmasked query tiles, then the band's edges (either may hold the ragged last tile)
+            dk, dv = _bwd_query_tiles(
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
+                DQ_ACC, dq_acc_rows, offs_n, unmasked_start, unmasked_end, seqlen_q, qk_scale, scale,
+                BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                window_right, False,
+            )  # fmt: skip
+            dk, dv = _bwd_query_tiles(
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
+                DQ_ACC, dq_acc_rows, offs_n, first, unmasked_start, seqlen_q, qk_scale, scale, BLOCK_M,
+                BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                window_right, True,
+            )  # fmt: skip
+            dk, dv = _bwd_query_tiles(
+                dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
+                DQ_ACC, dq_acc_rows, offs_n, unmasked_end, last, seqlen_q, qk_scale, scale, BLOCK_M,
+                BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                window_right, True,
             )  # fmt: skip
         else:
             full_end = (seqlen_q // BLOCK_M) * BLOCK_M
@@ -551,7 +657,7 @@ def attn_bwd(
                     dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                     DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
                     qk_scale, scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                    False,
+                    False, window_left, window_right, False,
                 )  # fmt: skip
                 unmasked_start = diagonal_end
             else:
@@ -559,14 +665,15 @@ def attn_bwd(
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M,
-                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False,
+                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                window_right, False,
             )  # fmt: skip
             # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q,
                 qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                False,
+                False, window_left, window_right, False,
             )  # fmt: skip
         if TRANSPOSED_GRADS:
             dk = tl.trans(dk)
@@ -595,27 +702,41 @@ def attn_bwd(
                                        INPUT_PRECISION)  # fmt: skip
             v_step = _input_descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
-            if CAUSAL:
+            # The keys [band_start, masked_end) meet these queries: unmasked in [unmasked_start,
+            # unmasked_end), masked below it (a band's lower edge) and above (the diagonal, the ragged end).
+            band_start = 0
+            unmasked_start = 0
+            if BAND:
+                band_start, unmasked_start, unmasked_end, masked_end = _band_segments(
+                    start, BLOCK_N, window_left, window_right, seqlen_k, BLOCK_M)  # fmt: skip
+            elif CAUSAL:
+                unmasked_end = (tl.minimum(start + 1, seqlen_k) // BLOCK_M) * BLOCK_M
                 masked_end = tl.minimum(start + BLOCK_N, seqlen_k)
             else:
+                unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
                 masked_end = seqlen_k
             if TRANSPOSED_GRADS:  # one loop, as for dK and dV
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, masked_end,
-                    seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, TRANSPOSED_GRADS,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, band_start,
+                    masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+                    TRANSPOSED_GRADS, window_left, window_right, BAND,
                 )  # fmt: skip
             else:
-                if CAUSAL:
-                    unmasked_end = (tl.minimum(start + 1, seqlen_k) // BLOCK_M) * BLOCK_M
-                else:
-                    unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, unmasked_end,
-                    seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_start,
+                    unmasked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False,
+                    window_left, window_right, False,
                 )  # fmt: skip
+                if BAND:
+                    dq = _bwd_key_tiles(
+                        dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, band_start,
+                        unmasked_start, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, True, INPUT_PRECISION,
+                        False, window_left, window_right, True,
+                    )  # fmt: skip
                 dq = _bwd_key_tiles(
                     dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
                     masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, False,
+                    window_left, window_right, BAND,
                 )  # fmt: skip
             if TRANSPOSED_GRADS:
                 dq = tl.trans(dq)

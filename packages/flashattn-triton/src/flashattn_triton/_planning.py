@@ -64,7 +64,8 @@ class Problem:
 
     head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
     layout (_hopper.supports); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
-    must be bitwise repeatable (no atomic dQ)."""
+    must be bitwise repeatable (no atomic dQ); band_span: under a band (a sliding window), the keys a
+    query row's band spans, at most seqlen_k (0: no band)."""
 
     pass_name: str
     batch_heads: int
@@ -78,6 +79,7 @@ class Problem:
     interpret: bool = False
     hopper: bool = False
     deterministic: bool = False
+    band_span: int = 0
 
     @property
     def small(self) -> bool:
@@ -93,14 +95,19 @@ class Problem:
 
     @property
     def size_key(self) -> tuple:
-        """What a tuned choice is kept by: everything candidates() reads, lengths and heads by size class."""
+        """What a tuned choice is kept by: everything candidates() reads, lengths, heads and a band's span
+        by size class (the span sets how many key tiles a query tile walks, and how many of them are
+        masked edges: a window of 128 and one of 4096 favor different tiles)."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
-                self.uses_hopper, self.deterministic)  # fmt: skip
+                self.uses_hopper, self.deterministic,
+                self.band_span and size_class(self.band_span))  # fmt: skip
 
     @property
     def uses_hopper(self) -> bool:
-        return self.hopper and not self.small and not (self.deterministic and self.pass_name == "bwd")
+        """Whether the Gluon kernels are among the candidates (never for a band, which they lack)."""
+        return (self.hopper and not self.small and not (self.deterministic and self.pass_name == "bwd")
+                and not self.band_span)  # fmt: skip
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
@@ -115,7 +122,9 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
         if exact or problem.deterministic:
             listed = exact or [dataclasses.replace(listed[0], atomic_dq=False)]
     if problem.pass_name == "fwd" and problem.small and problem.sm_count:
-        listed = with_split_key_tiles(listed, seqlen_class, seqlen_class, size_class(problem.batch_heads),
+        # A query tile walks the keys of its band only: a band's split pays where that span is long.
+        key_class = size_class(problem.band_span) if problem.band_span else seqlen_class
+        listed = with_split_key_tiles(listed, seqlen_class, key_class, size_class(problem.batch_heads),
                                       problem.sm_count)  # fmt: skip
     if problem.uses_hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
         # portable kernel, and the tuner skips a Gluon build that another Triton version refuses

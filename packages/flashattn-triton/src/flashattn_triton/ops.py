@@ -41,9 +41,9 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention, for grouped-query attention without mask or band (its groups stacked along T) and for
-causal grouped-query attention (K and V repeated per query head), and for everything else the feature
-kernels (feature_impl, whose backward has no atomics).
+causal attention, for top-left bands (sliding windows) with Tq = Tk, for grouped-query attention without
+mask or band (its groups stacked along T) and for causal grouped-query attention (K and V repeated per
+query head), and for everything else the feature kernels (feature_impl, whose backward has no atomics).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
@@ -100,28 +100,35 @@ def uses_triton(device: torch.device) -> bool:
 
 def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
-    (triton_impl's tuned kernels) for plain or top-left causal attention with as many K/V heads as query
-    heads; "stacked" (the tuned kernels too) for grouped-query attention without mask or band, whose
-    group's query heads are rows of one query sequence (_stacked); "repeated" (the tuned kernels on K and V
-    repeated per query head, dK and dV summed over each group) for causal grouped-query attention, where
-    stacking would move the diagonal; "features" (feature_impl) for every other problem."""
+    (triton_impl's tuned kernels) for plain or top-left causal attention, and for a top-left band (a
+    sliding window, _window) where Tq = Tk, with as many K/V heads as query heads; "stacked" (the tuned
+    kernels too) for grouped-query attention without mask or band, whose group's query heads are rows of
+    one query sequence (_stacked); "repeated" (the tuned kernels on K and V repeated per query head, dK and
+    dV summed over each group) for causal grouped-query attention, where stacking would move the diagonal;
+    "features" (feature_impl) for every other problem."""
     if not uses_triton(q.device):
         return "torch"
     window_right, offset = options["window_right"], options["diagonal_offset"]
-    plain = (
-        options["attn_mask"] is None
-        and options["dropout_p"] == 0.0
-        and options["cu_seqlens_q"] is None
-        and options["window_left"] == UNBOUNDED
-    )
+    no_mask = options["attn_mask"] is None and options["dropout_p"] == 0.0 and options["cu_seqlens_q"] is None
+    plain = no_mask and options["window_left"] == UNBOUNDED
     causal = window_right == 0 and offset == 0
-    if plain and q.shape[1] == k.shape[1] and (window_right == UNBOUNDED or causal):
+    same_heads = q.shape[1] == k.shape[1]
+    if plain and same_heads and (window_right == UNBOUNDED or causal):
+        return "tuned"
+    if no_mask and same_heads and offset == 0 and q.shape[2] == k.shape[2]:  # a band
         return "tuned"
     if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
         return "stacked"
     if plain and causal:
         return "repeated"
     return "features"
+
+
+def _window(options: dict[str, Any]) -> tuple[int, int] | None:
+    """The tuned kernels' window of a "tuned" problem: (window_left, window_right) where they make a band,
+    None where the problem is plain or causal (window_right = 0 is the causal flag they get)."""
+    left, right = options["window_left"], options["window_right"]
+    return (left, right) if left != UNBOUNDED or right > 0 else None
 
 
 def _stacked(x: Tensor, kv_heads: int) -> Tensor:
@@ -165,7 +172,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path == "torch":
         return torch_impl.attention_forward(q, k, v, **options)
     if path == "tuned":
-        return triton_impl.triton_forward(q, k, v, window_right == 0, scale)
+        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options))
     if path == "stacked":
         out, lse = triton_impl.triton_forward(_stacked(q, k.shape[1]), k, v, False, scale)
         return out.view(q.shape), lse.view(q.shape[:-1])
@@ -193,7 +200,7 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     if path == "tuned":
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
-                                           share_allocation=False)  # fmt: skip
+                                           share_allocation=False, window=_window(options))  # fmt: skip
     if path == "stacked":
         kv_heads = k.shape[1]
         stacked_grad_lse = None if grad_lse is None else _stacked(grad_lse, kv_heads)

@@ -26,9 +26,42 @@ from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
 from flashattn_triton._planning import Problem, candidates, is_small_problem
 from flashattn_triton._tuning import TUNING
-from flashattn_triton._validation import check_inputs
+from flashattn_triton._validation import UNBOUNDED, check_inputs, check_window
 
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
+Band = tuple[int, int]  # (window_left, window_right) of the kernels' BAND
+
+
+def _band(window: object, is_causal: bool) -> Band | None:
+    """The band of a window (left, right), -1 unbounded (flash-attn's convention, checked here), with
+    right = 0 under is_causal: None where it is no band, or is_causal's mask alone (the kernels' CAUSAL)."""
+    if window is None:
+        return None
+    left, right = check_window(window)
+    if is_causal:
+        right = 0
+    if left == UNBOUNDED and right == (0 if is_causal else UNBOUNDED):
+        return None
+    return left, right
+
+
+def _kernel_band(band: Band | None, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
+    """The kernels' band arguments: an unbounded side (and one wider than the sequences) as the length
+    that reaches every key, so that the kernels only see small nonnegative integers."""
+    if band is None:
+        return {"window_left": 0, "window_right": 0, "BAND": False}
+    left, right = band
+    return {"window_left": seqlen_q if left == UNBOUNDED else min(left, seqlen_q),
+            "window_right": seqlen_k if right == UNBOUNDED else min(right, seqlen_k),
+            "BAND": True}  # fmt: skip
+
+
+def _band_span(band: Band | None, seqlen_q: int, seqlen_k: int) -> int:
+    """Problem.band_span: the keys a query row's band spans (0 without a band)."""
+    if band is None:
+        return 0
+    bounds = _kernel_band(band, seqlen_q, seqlen_k)
+    return min(bounds["window_left"] + bounds["window_right"] + 1, seqlen_k)
 
 
 @functools.cache
@@ -67,14 +100,15 @@ _MAX_PLANS = 4096  # a process seeing ever new lengths starts over rather than g
 
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
-          scale: float | None, config: Any, deterministic: bool = False, grad_lse: bool = False) -> _Plan:
+          scale: float | None, config: Any, deterministic: bool = False, grad_lse: bool = False,
+          band: Band | None = None) -> _Plan:  # fmt: skip
     """The plan of this call's layout: created, not yet run, on the first call with it (the forward's
     after checking its inputs). tensors starts with q and k (and v); grad_lse: whether the backward gets
-    a gradient of L."""
+    a gradient of L; band: _band's."""
     try:
         precision = _inputs.input_precision(q.dtype)
         layouts = ((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
-        key = (pass_name, is_causal, type(is_causal), scale, config, precision, deterministic, grad_lse,
+        key = (pass_name, is_causal, type(is_causal), scale, config, precision, deterministic, grad_lse, band,
                *layouts)  # fmt: skip
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable scale: check_inputs says which
@@ -93,13 +127,14 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             pass_name, q, tensors, head_dim)  # fmt: skip
         problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                           _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
-                          deterministic)  # fmt: skip
+                          deterministic, _band_span(band, seqlen_q, seqlen_k))  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
             raise ValueError(
                 f"config {config}: the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a "
-                "multiple of 128, contiguous inputs, on sm_90 with Gluon, above the small-problem size; "
-                f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
+                "multiple of 128, contiguous inputs, no window, on sm_90 with Gluon, above the small-problem "
+                f"size; not q {tuple(q.shape)} {q.dtype} on {q.device}"
+                + ("" if band is None else f" with window {band}")
             )
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
@@ -111,17 +146,18 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
 
 
 def _backward_plan(forward_plan: _Plan | None, tensors: tuple[torch.Tensor, ...], is_causal: bool,
-                   scale: float, config: BackwardConfig | None, deterministic: bool, grad_lse: bool) -> _Plan:
+                   scale: float, config: BackwardConfig | None, deterministic: bool, grad_lse: bool,
+                   band: Band | None) -> _Plan:  # fmt: skip
     """_plan of the backward, looked up through the forward's plan where there is one: the forward's
-    key already holds q, k and v, and out and lse follow from it (a small problem's host time notices the
-    lookup of five layouts)."""
+    key already holds q, k and v (and the band), and out and lse follow from it (a small problem's host
+    time notices the lookup of five layouts)."""
     q, grad_out = tensors[0], tensors[-1]
     if forward_plan is None or config is not None or grad_lse:
-        return _plan("bwd", q, tensors, is_causal, scale, config, deterministic, grad_lse)
+        return _plan("bwd", q, tensors, is_causal, scale, config, deterministic, grad_lse, band)
     key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _inputs.input_precision(q.dtype), deterministic)
     plan = forward_plan.backward_plans.get(key)
     if plan is None:
-        plan = _plan("bwd", q, tensors, is_causal, scale, None, deterministic)
+        plan = _plan("bwd", q, tensors, is_causal, scale, None, deterministic, band=band)
         forward_plan.backward_plans[key] = plan
     return plan
 
@@ -185,17 +221,20 @@ def _run(plan: _Plan, launcher: Callable[[Config], Launcher | LaunchPair], args:
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-                   config: ForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   config: ForwardConfig | None = None, *,
+                   window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O is contiguous, L float32
-    of shape q.shape[:-1]."""
-    out, lse, _ = _forward(q, k, v, is_causal, scale, config)
+    of shape q.shape[:-1]. window=(left, right), -1 unbounded: query i sees keys i - left .. i + right
+    only (and right = 0 under is_causal), top-left aligned; a row that sees no key gets O 0, L -inf."""
+    out, lse, _ = _forward(q, k, v, is_causal, scale, config, _band(window, is_causal))
     return out, lse
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-             config: ForwardConfig | None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:
+             config: ForwardConfig | None,
+             band: Band | None = None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:  # fmt: skip
     """triton_forward's (O, L) and the plan that made them (its scale is the one used)."""
-    plan = _plan("fwd", q, (q, k, v), is_causal, scale, config)  # (checks a layout's first inputs)
+    plan = _plan("fwd", q, (q, k, v), is_causal, scale, config, band=band)  # (checks a layout's first inputs)
     check_device(q)
     kernels = _launcher.kernels()
     scale = plan.scale
@@ -211,6 +250,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     q_in, k_in = _kernel_inputs(plan, q4, k4)
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
     v_transposed = precision == "tf32x3"
+    band_args = _kernel_band(band, seqlen_q, seqlen_k)
 
     def launcher(c: ForwardConfig) -> Launcher | LaunchPair:
         query_tiles = -(-seqlen_q // c.block_m) * batch * heads
@@ -237,8 +277,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             "V": tiles(v_in, *v_tile, host), "Out": None if split else tiles(o4, c.block_m, block_d, host),
             "L": lse, "Partials": partials, "batch": batch, "heads": heads, "seqlen_q": seqlen_q,
             "seqlen_k": seqlen_k, "head_dim": head_dim, "qk_scale": scale * kernels.LOG2E,
-            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d, "CAUSAL": is_causal,
-            "INPUT_PRECISION": precision, "SPLIT_KV": split,
+            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
+            "CAUSAL": is_causal and band is None, "INPUT_PRECISION": precision, "SPLIT_KV": split,
+            **band_args,
         }  # fmt: skip
         if not split:
             return main
@@ -261,18 +302,20 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     grad_out: torch.Tensor, is_causal: bool, scale: float,
                     config: BackwardConfig | None = None, *, grad_lse: torch.Tensor | None = None,
                     deterministic: bool = False, forward_plan: _Plan | None = None,
-                    share_allocation: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    share_allocation: bool = True,
+                    window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
     problem is small), then dK/dV and dQ in one launch (two for a split config). grad_lse, the gradient of
     L where it is used too, is subtracted from D (dS = P (dP - D + dL)); deterministic leaves out the
     atomic dQ. forward_plan: the plan of the forward that made out and lse from these q, k, v, which keeps
     this backward's plan for the layout of grad_out. share_allocation: dQ, dK, dV may be slices of one
-    allocation (not for a custom op, whose outputs must not alias one another)."""
+    allocation (not for a custom op, whose outputs must not alias one another). window: the forward's."""
     kernels = _launcher.kernels()
+    band = _band(window, is_causal)
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config, deterministic,
-                          grad_lse is not None)  # fmt: skip
+                          grad_lse is not None, band)  # fmt: skip
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
     precision, delta_from_o = plan.problem.precision, plan.delta_from_o
     q4, k4, v4, o4, do4 = _kernel_views(plan, (q, k, v, out, grad_out))
@@ -288,6 +331,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     # one), padded to whole tiles of up to 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
+    band_args = _kernel_band(band, seqlen_q, seqlen_k)
 
     def launcher(c: BackwardConfig) -> Launcher | LaunchPair:
         key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
@@ -327,8 +371,9 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             "batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
             "head_dim": head_dim, "dq_acc_rows": dq_acc_rows, "qk_scale": scale * kernels.LOG2E,
             "scale": scale, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
-            "CAUSAL": is_causal, "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o,
+            "CAUSAL": is_causal and band is None, "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o,
             "INPUT_PRECISION": precision, "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase,
+            **band_args,
         }  # fmt: skip
 
     def preprocess() -> None:  # D (less the gradient of L), and the atomic variant's dQ sum zeroed
