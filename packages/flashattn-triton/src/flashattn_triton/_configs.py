@@ -97,7 +97,7 @@ F, B = ForwardConfig, BackwardConfig
 # 32-row steps, which reload 34 spilled registers a step and still win at T >= 16384 (#fp32-split-backward),
 # dQ in 16-row steps; float32 avoids 8-warp backward tiles at d = 128 (their spills cost 20-25x).
 _FORWARD = {
-    (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3)],
+    (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3), F(64, 128, 4, 2)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
     (256, 2): [F(64, 32, 4, 2)],
     (32, 4): [F(64, 64, 4, 2)],
