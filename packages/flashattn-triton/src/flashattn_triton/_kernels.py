@@ -36,6 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashattn_triton._philox import kept, rng_state
+
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -197,9 +199,11 @@ def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.const
 def _fwd_key_tiles(
     acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK say so."""
+    """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK say so. Under
+    DROPOUT, P V takes P times the kept mask / (1 - p) (_philox.kept of the rows' row_calls), while l sums
+    P undropped: L stays the softmax's logsumexp."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -217,6 +221,8 @@ def _fwd_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), p * dropout_scale, 0.0)
         v, v_low = _load_value_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
         acc = _dot(p, p_low, v, v_low, acc * alpha[:, None], INPUT_PRECISION)
@@ -228,11 +234,17 @@ def _fwd_key_tiles(
 def attn_fwd(
     Q, K, V, Out, L, Partials, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, Rng, dropout_threshold, dropout_scale,
+    DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,).
     Under SPLIT_KV, grid (tiles * Z * H, splits): program (i, s) walks the s-th share of the key tiles
-    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh."""
+    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh (dropout, applied
+    to P before P V, leaves them weighable as they are).
+
+    DROPOUT drops probabilities as _dropout says (Rng: its (seed, offset) tensor; the probability kept iff
+    its Philox number >= dropout_threshold, then scaled by dropout_scale = 1 / (1 - p)): the counters of
+    row (z, h, i) start at offset + ((z * H + h) * Tq + i) * ceil(Tk / 4), those of Dropout.dense."""
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     tile = pid % num_tiles
@@ -249,6 +261,8 @@ def attn_fwd(
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+    seed, rng_offset = rng_state(Rng, DROPOUT)
+    row_calls = rng_offset + (bh.to(tl.int64) * seqlen_q + offs_m) * tl.cdiv(seqlen_k, 4)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -273,12 +287,14 @@ def attn_fwd(
         masked_end = tl.where(split == splits - 1, masked_end, unmasked_end)
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, start_n, unmasked_end, seqlen_k,
-        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION,
+        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION, seed, row_calls, dropout_threshold,
+        dropout_scale, DROPOUT,
     )  # fmt: skip
     # The causal diagonal and the ragged end of the keys (empty for non-causal with full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, unmasked_end, masked_end, seqlen_k,
-        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
+        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION, seed, row_calls, dropout_threshold,
+        dropout_scale, DROPOUT,
     )  # fmt: skip
 
     if SPLIT_KV:
@@ -381,12 +397,14 @@ def _bwd_query_tiles(
     dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANSPOSED_GRADS: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, seed, head_calls, calls_per_row, key_start, dropout_threshold,
+    dropout_scale, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K; under tf32x3 K_dq = K and the
     share is scaled), added atomically to a float32 buffer padded to whole tiles. With TRANSPOSED_GRADS
-    dk and dv hold dKᵀ and dVᵀ (see attn_bwd)."""
+    dk and dv hold dKᵀ and dVᵀ (see attn_bwd). Under DROPOUT the forward's mask M again (row i's counters
+    at head_calls + i * calls_per_row): dV += (P∘M)ᵀ dO / (1 - p) and dS = P∘(M∘dP / (1 - p) - D)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -401,7 +419,12 @@ def _bwd_query_tiles(
         if CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         do, do_low = _load_parts(do_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-        p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
+        if DROPOUT:
+            row_calls = head_calls + rows.to(tl.int64) * calls_per_row
+            keep_t = tl.trans(kept(seed, row_calls, key_start, dropout_threshold, BLOCK_N))
+            p_high, p_low = _split(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), INPUT_PRECISION)
+        else:
+            p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dVᵀ += dOᵀ P
             do_t, do_t_low = _split(tl.trans(_whole(do, do_low, INPUT_PRECISION)), INPUT_PRECISION)
             dv = _dot(do_t, do_t_low, tl.trans(p_high), tl.trans(p_low), dv, INPUT_PRECISION)
@@ -409,6 +432,8 @@ def _bwd_query_tiles(
             dv = _dot(p_high, p_low, do, do_low, dv, INPUT_PRECISION)
         delta = _row_delta(delta_src, do, z, h, start_m, seqlen_q, BLOCK_M, BLOCK_D, ROW_MASK, DELTA_FROM_O)
         dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dKᵀ += Qᵀ dS
             q_t, q_t_low = _split(tl.trans(q_whole), INPUT_PRECISION)
@@ -427,9 +452,11 @@ def _bwd_query_tiles(
 def _bwd_key_tiles(
     dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr, seed, row_calls, dropout_threshold,
+    dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi)."""
+    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi); under
+    DROPOUT with dS = P∘(M∘dP / (1 - p) - D), M the forward's mask (rows' counters from row_calls)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -442,6 +469,8 @@ def _bwd_key_tiles(
         if CAUSAL_MASK or KEY_MASK:
             p = tl.where(_visible(offs_m, start_n + offs_n0, seqlen_k, CAUSAL_MASK, KEY_MASK), p, 0.0)
         dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), dp * dropout_scale, 0.0)
         ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dQᵀ += Kᵀ dSᵀ
             k_t, k_t_low = _split(tl.trans(k_whole), INPUT_PRECISION)
@@ -457,7 +486,8 @@ def attn_bwd(
     batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr, Rng, dropout_threshold, dropout_scale,
+    DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
@@ -488,6 +518,9 @@ def attn_bwd(
     ptxas then allocates each phase's registers on its own, where float32's at d = 128 share a kernel only
     with spills. The dQ launch takes the query tiles from the last (the most keys under causal masking).
     Grids: (key tiles * Z * H,) and (query tiles * Z * H,).
+
+    DROPOUT regenerates the forward's mask (attn_fwd's arguments and counters). D = rowsum(dO * O) holds
+    as it is: O is the dropped output, and sum_j P_ij M_ij dP_ij / (1 - p) = dO_i . O_i.
     """
     if ATOMIC_DQ or PHASE == "dkdv":
         num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
@@ -504,6 +537,9 @@ def attn_bwd(
     h = bh % heads
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
+    seed, rng_offset = rng_state(Rng, DROPOUT)
+    calls_per_row = tl.cdiv(seqlen_k, 4)
+    head_calls = rng_offset + bh.to(tl.int64) * seqlen_q * calls_per_row
     if DELTA_FROM_O:
         delta_step = _descriptor(O_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
         delta_own = _descriptor(O_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
@@ -540,7 +576,8 @@ def attn_bwd(
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, first, seqlen_q, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
-                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS,
+                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS, seed, head_calls,
+                calls_per_row, start, dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
         else:
             full_end = (seqlen_q // BLOCK_M) * BLOCK_M
@@ -551,7 +588,8 @@ def attn_bwd(
                     dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                     DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
                     qk_scale, scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                    False,
+                    False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale, BLOCK_N,
+                    DROPOUT,
                 )  # fmt: skip
                 unmasked_start = diagonal_end
             else:
@@ -559,14 +597,16 @@ def attn_bwd(
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M,
-                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False,
+                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, seed, head_calls,
+                calls_per_row, start, dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
             # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q,
                 qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                False,
+                False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale, BLOCK_N,
+                DROPOUT,
             )  # fmt: skip
         if TRANSPOSED_GRADS:
             dk = tl.trans(dk)
@@ -595,6 +635,7 @@ def attn_bwd(
                                        INPUT_PRECISION)  # fmt: skip
             v_step = _input_descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
+            row_calls = head_calls + offs_m.to(tl.int64) * calls_per_row
             if CAUSAL:
                 masked_end = tl.minimum(start + BLOCK_N, seqlen_k)
             else:
@@ -603,6 +644,7 @@ def attn_bwd(
                 dq = _bwd_key_tiles(
                     dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, masked_end,
                     seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, TRANSPOSED_GRADS,
+                    seed, row_calls, dropout_threshold, dropout_scale, DROPOUT,
                 )  # fmt: skip
             else:
                 if CAUSAL:
@@ -611,11 +653,13 @@ def attn_bwd(
                     unmasked_end = (seqlen_k // BLOCK_M) * BLOCK_M
                 dq = _bwd_key_tiles(
                     dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, 0, unmasked_end,
-                    seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False,
+                    seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False, seed,
+                    row_calls, dropout_threshold, dropout_scale, DROPOUT,
                 )  # fmt: skip
                 dq = _bwd_key_tiles(
                     dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
                     masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, False,
+                    seed, row_calls, dropout_threshold, dropout_scale, DROPOUT,
                 )  # fmt: skip
             if TRANSPOSED_GRADS:
                 dq = tl.trans(dq)

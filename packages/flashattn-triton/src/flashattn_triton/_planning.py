@@ -56,7 +56,8 @@ class Problem:
 
     head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
     layout (_hopper.supports); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
-    must be bitwise repeatable (no atomic dQ)."""
+    must be bitwise repeatable (no atomic dQ); dropout: the pass drops probabilities (the Gluon kernels
+    do not)."""
 
     pass_name: str
     batch_heads: int
@@ -70,6 +71,7 @@ class Problem:
     interpret: bool = False
     hopper: bool = False
     deterministic: bool = False
+    dropout: bool = False
 
     @property
     def small(self) -> bool:
@@ -88,11 +90,12 @@ class Problem:
         """What a tuned choice is kept by: everything candidates() reads, lengths and heads by size class."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
-                self.uses_hopper, self.deterministic)  # fmt: skip
+                self.uses_hopper, self.deterministic, self.dropout)  # fmt: skip
 
     @property
     def uses_hopper(self) -> bool:
-        return self.hopper and not self.small and not (self.deterministic and self.pass_name == "bwd")
+        return (self.hopper and not self.small and not self.dropout
+                and not (self.deterministic and self.pass_name == "bwd"))  # fmt: skip
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
