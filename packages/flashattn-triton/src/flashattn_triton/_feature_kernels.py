@@ -12,7 +12,7 @@ one whose programs start at their sequence's row.
   which bounds exist). Each loop runs only over the tiles that intersect the band.
 - Masks: loaded tile by tile (MASK: 0 none, 1 bool as uint8, 2 float added to the scores); a bool tile
   that keeps nothing is skipped before its products.
-- Dropout: Philox (_philox.kept: tl.randint4x, one call per 4 keys) at the counter offset + z * stride_b +
+- Dropout: Philox (_kernels.kept: tl.randint4x, one call per 4 keys) at the counter offset + z * stride_b +
   h * stride_h + row * stride_i + key // 4, keyed by the seed; the backward draws the same numbers (see
   _dropout, which computes them in PyTorch). Nothing is stored.
 - Varlen: with VARLEN, sequence z spans rows cu_seqlens[z]:cu_seqlens[z + 1]; programs past its end exit.
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashattn_triton._philox import kept
+from flashattn_triton._kernels import kept
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)

@@ -36,8 +36,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashattn_triton._philox import kept, rng_state
-
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -196,13 +194,39 @@ def _visible(rows, cols, seqlen_k, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.const
 
 
 @triton.jit
+def _rng_state(Rng, DROPOUT: tl.constexpr):
+    """Dropout's (seed, offset) from Rng, _dropout.draw_rng's int64 (2,) on the device (read here, never on
+    the host: a CUDA graph replays the draw); zeros without DROPOUT, where Rng may be None."""
+    if DROPOUT:
+        seed = tl.load(Rng)
+        offset = tl.load(Rng + 1)
+    else:
+        seed = 0
+        offset = 0
+    return seed, offset
+
+
+@triton.jit
+def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
+    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4) dropout keeps,
+    (R, BLOCK_N), in the R rows whose key 0 takes its number from the Philox call at row_calls ((R,) int64,
+    the offset included): key j takes output j % 4 of the call at row_calls + j // 4 (tl.randint4x), and is
+    kept iff that number is at least threshold (< 2**32). The mapping of _dropout, whose PyTorch path drops
+    the same probabilities; the feature kernels draw theirs here too."""
+    calls = row_calls[:, None] + (start_n // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, calls)
+    numbers = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0, r1, r2, r3 per call
+    return numbers >= tl.to_tensor(threshold).to(tl.uint32)  # (a constexpr where threshold is 1)
+
+
+@triton.jit
 def _fwd_key_tiles(
     acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK say so. Under
-    DROPOUT, P V takes P times the kept mask / (1 - p) (_philox.kept of the rows' row_calls), while l sums
+    DROPOUT, P V takes P times the kept mask / (1 - p) (kept, from the rows' row_calls), while l sums
     P undropped: L stays the softmax's logsumexp."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
@@ -261,7 +285,7 @@ def attn_fwd(
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-    seed, rng_offset = rng_state(Rng, DROPOUT)
+    seed, rng_offset = _rng_state(Rng, DROPOUT)
     row_calls = rng_offset + (bh.to(tl.int64) * seqlen_q + offs_m) * tl.cdiv(seqlen_k, 4)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -537,7 +561,7 @@ def attn_bwd(
     h = bh % heads
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
-    seed, rng_offset = rng_state(Rng, DROPOUT)
+    seed, rng_offset = _rng_state(Rng, DROPOUT)
     calls_per_row = tl.cdiv(seqlen_k, 4)
     head_calls = rng_offset + bh.to(tl.int64) * seqlen_q * calls_per_row
     if DELTA_FROM_O:
