@@ -367,6 +367,24 @@ def test_dropout_in_the_tuned_kernels_matches_the_torch_path(problem, case, back
     assert (got[0] - other[0]).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("backward", ["default", "atomic-dq"])
+def test_dropout_with_d_in_the_backward_kernel(problem, backward):
+    """float32 with TF32 allowed (not in parts), as 16-bit inputs run: a small problem's backward computes
+    D = rowsum(dO * O) from the dropped O in its kernel, with dQ added up directly or atomically."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        p = problem((1, 2), 40, 50, 16, torch.float32, True)
+        rng = draw_rng(p.q.device)
+        inputs = (p.q, p.k, p.v, p.grad_out, True, rng)
+        got = _dropout_results("tuned", *inputs, backward=DROPOUT_BACKWARDS[backward])
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    _assert_same(got, _dropout_results("torch", *inputs))
+    (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
+    assert plan.delta_from_o
+
+
 @pytest.mark.parametrize("kv_splits", [2, 3])
 def test_dropout_with_split_key_tiles(problem, kv_splits):
     """The forward's split form with dropout: each split's partial results drop their own keys' share, and
