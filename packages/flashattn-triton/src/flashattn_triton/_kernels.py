@@ -216,7 +216,8 @@ def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
     calls = row_calls[:, None] + (start_n // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, calls)
     numbers = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0, r1, r2, r3 per call
-    return numbers >= tl.to_tensor(threshold).to(tl.uint32)  # (a constexpr where threshold is 1)
+    # An i32 threshold (p < 0.5) compares as uint32, an i64 one widens the numbers: both unsigned-exact.
+    return numbers >= threshold
 
 
 @triton.jit
