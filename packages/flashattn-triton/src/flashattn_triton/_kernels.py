@@ -29,6 +29,10 @@ Segments: a key tile is either fully visible to a query tile (no mask computed a
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
 and the masked ones after, and causal tiles that are fully masked are never visited. Ragged query
 rows load as zeros, are never stored, and in the backward read L = +inf so that their P is exactly 0.
+
+Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Philox at counters derived
+from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 4 adjacent
+keys), in the forward and again in the backward; nothing is stored.
 """
 
 from __future__ import annotations
