@@ -260,6 +260,18 @@ def test_four_adjacent_keys_share_one_philox_call():
         assert torch.equal(tile, whole[:, :, 1:, start:stop])
 
 
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_within_a_binomial_bound(dropout_p):
+    """Over 2 x 4 x 128 x 257 probabilities, the kept fraction and that of each Philox output (keys j % 4)
+    lie within 5 standard deviations of 1 - p."""
+    torch.manual_seed(0)
+    dropout = Dropout.dense(dropout_p, draw_rng(torch.device("cpu")), 4, 128, 257)
+    kept = dropout.scale_tile(2, 4, range(128), range(257)) != 0
+    for sample in (kept, *(kept[..., j::4] for j in range(4))):
+        bound = 5 * (dropout_p * (1 - dropout_p) / sample.numel()) ** 0.5
+        assert abs(sample.double().mean().item() - (1 - dropout_p)) <= bound
+
+
 def test_draw_rng_uses_the_default_generator():
     torch.manual_seed(3)
     first = draw_rng(torch.device("cpu"))
