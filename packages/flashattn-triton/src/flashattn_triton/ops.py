@@ -41,8 +41,9 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention, for top-left bands (sliding windows) with Tq = Tk, for grouped-query attention without
-mask or band (its groups stacked along T) and for causal grouped-query attention (K and V repeated per
+causal attention (with or without dropout), for top-left bands (sliding windows) with Tq = Tk (with or
+without dropout), for grouped-query attention without mask, band or dropout (its groups stacked along T)
+and for causal grouped-query attention without dropout (K and V repeated per
 query head), and for everything else the feature kernels (feature_impl, whose backward has no atomics).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
@@ -101,15 +102,18 @@ def uses_triton(device: torch.device) -> bool:
 def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
     (triton_impl's tuned kernels) for plain or top-left causal attention, and for a top-left band (a
-    sliding window, _window) where Tq = Tk, with as many K/V heads as query heads; "stacked" (the tuned
-    kernels too) for grouped-query attention without mask or band, whose group's query heads are rows of
-    one query sequence (_stacked); "repeated" (the tuned kernels on K and V repeated per query head, dK and
-    dV summed over each group) for causal grouped-query attention, where stacking would move the diagonal;
-    "features" (feature_impl) for every other problem."""
+    sliding window, _window) where Tq = Tk, with as many K/V heads as query heads, with or without dropout
+    (a band's mask and dropout's are independent: the kernels apply both); "stacked" (the tuned kernels
+    too) for grouped-query attention without mask or band, whose group's query heads are rows of one query
+    sequence (_stacked); "repeated" (the tuned kernels on K and V repeated per query head, dK and dV summed
+    over each group) for causal grouped-query attention, where stacking would move the diagonal;
+    "features" (feature_impl) for every other problem. (Stacked and repeated problems with dropout take the
+    feature kernels: their rows' dropout counters are those of the query heads, which the tuned kernels'
+    numbering of the stacked or repeated problem does not give.)"""
     if not uses_triton(q.device):
         return "torch"
     window_right, offset = options["window_right"], options["diagonal_offset"]
-    no_mask = options["attn_mask"] is None and options["dropout_p"] == 0.0 and options["cu_seqlens_q"] is None
+    no_mask = options["attn_mask"] is None and options["cu_seqlens_q"] is None
     plain = no_mask and options["window_left"] == UNBOUNDED
     causal = window_right == 0 and offset == 0
     same_heads = q.shape[1] == k.shape[1]
@@ -117,6 +121,7 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
         return "tuned"
     if no_mask and same_heads and offset == 0 and q.shape[2] == k.shape[2]:  # a band
         return "tuned"
+    plain = plain and options["dropout_p"] == 0.0
     if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
         return "stacked"
     if plain and causal:
@@ -172,7 +177,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path == "torch":
         return torch_impl.attention_forward(q, k, v, **options)
     if path == "tuned":
-        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options))
+        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
+                                          dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     if path == "stacked":
         out, lse = triton_impl.triton_forward(_stacked(q, k.shape[1]), k, v, False, scale)
         return out.view(q.shape), lse.view(q.shape[:-1])
@@ -200,7 +206,8 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     if path == "tuned":
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
-                                           share_allocation=False, window=_window(options))  # fmt: skip
+                                           share_allocation=False, window=_window(options),
+                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     if path == "stacked":
         kv_heads = k.shape[1]
         stacked_grad_lse = None if grad_lse is None else _stacked(grad_lse, kv_heads)
