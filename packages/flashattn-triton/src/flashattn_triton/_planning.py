@@ -56,7 +56,8 @@ class Problem:
 
     head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
     layout (_hopper.supports); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
-    must be bitwise repeatable (no atomic dQ)."""
+    must be bitwise repeatable (no atomic dQ); group: query heads per K/V head (grouped-query attention
+    above 1; batch_heads counts query heads)."""
 
     pass_name: str
     batch_heads: int
@@ -70,6 +71,7 @@ class Problem:
     interpret: bool = False
     hopper: bool = False
     deterministic: bool = False
+    group: int = 1
 
     @property
     def small(self) -> bool:
@@ -85,14 +87,19 @@ class Problem:
 
     @property
     def size_key(self) -> tuple:
-        """What a tuned choice is kept by: everything candidates() reads, lengths and heads by size class."""
+        """What a tuned choice is kept by: everything candidates() reads, lengths and heads by size class,
+        and the group by size class: a group's query heads read one K/V head, whose tiles then come from
+        L2 more often than from memory, and the backward sums their dK and dV after, so the fastest config
+        of a grouped problem need not be that of one without groups."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
-                self.uses_hopper, self.deterministic)  # fmt: skip
+                size_class(self.group), self.uses_hopper, self.deterministic)  # fmt: skip
 
     @property
     def uses_hopper(self) -> bool:
-        return self.hopper and not self.small and not (self.deterministic and self.pass_name == "bwd")
+        # (the Gluon kernels read K and V of the query's own heads: not grouped-query attention)
+        return (self.hopper and self.group == 1 and not self.small
+                and not (self.deterministic and self.pass_name == "bwd"))  # fmt: skip
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
