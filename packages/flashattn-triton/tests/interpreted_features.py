@@ -12,10 +12,9 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from flashattn_triton import _inputs, feature_impl, flash_attention, reference_logsumexp, torch_impl
+from flashattn_triton import _inputs, feature_impl, flash_attention, torch_impl
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
@@ -33,16 +32,23 @@ def run(forward, backward, args: OpArguments, grad_out: torch.Tensor, grad_lse=N
     return dict(zip(NAMES, (out, lse, *grads), strict=True))
 
 
-def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> None:
-    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out, grad_lse)
-    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+def assert_close_to(got: dict, want: dict, bound: float) -> None:
+    """Each of NAMES within bound of want's, as max error relative to want's largest value (or 1)."""
     for name in NAMES:
-        assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
         unseen = want[name] == float("-inf")  # lse of rows that see no key
         assert torch.equal(got[name] == float("-inf"), unseen), name
         g, w = got[name].double().masked_fill(unseen, 0), want[name].double().masked_fill(unseen, 0)
         error = (g - w).abs().max().item() / max(w.abs().max().item(), 1.0)
-        assert error <= bound, f"{name}: max error {error:.2e} relative to max |torch path|"
+        assert error <= bound, f"{name}: max error {error:.2e} relative to max |reference|"
+
+
+def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> None:
+    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out, grad_lse)
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+    for name in NAMES:
+        assert got[name].dtype == want[name].dtype, name
+    assert_close_to(got, want, bound)
 
 
 def qkv(batch=2, q_heads=4, kv_heads=2, seqlen_q=37, seqlen_k=45, head_dim=16, dtype=torch.float32):
@@ -150,26 +156,8 @@ def test_deterministic_backward_is_bitwise_repeatable():
         assert torch.equal(first, second)
 
 
-def sdpa_gqa_float64(q, k, v, grad_out, grad_lse, is_causal: bool, scale: float | None = None) -> dict:
-    """SDPA with enable_gqa=True in float64 on the same data: out, lse and the gradients of
-    <out, grad_out> + <lse, grad_lse> (lse from the scores against K repeated per query head)."""
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    lse = reference_logsumexp(leaves[0], leaves[1].repeat_interleave(group, 1), is_causal, scale)
-    grads = torch.autograd.grad([out, lse], leaves, [grad_out.double(), grad_lse.double()])
-    return dict(zip(NAMES, (out, lse, *grads), strict=True))
-
-
-def assert_close_to(got: dict, want: dict, bound: float) -> None:
-    for name in NAMES:
-        assert got[name].shape == want[name].shape, name
-        error = (got[name].double() - want[name]).abs().max().item() / max(want[name].abs().max().item(), 1.0)
-        assert error <= bound, f"{name}: max error {error:.2e} relative to max |SDPA|"
-
-
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
-def test_gqa_without_mask_or_band_runs_the_tuned_kernels(monkeypatch, is_causal):
+def test_gqa_without_mask_or_band_runs_the_tuned_kernels(monkeypatch, sdpa_gqa, is_causal):
     from flashattn_triton import triton_impl
 
     def no_feature_kernels(*args, **kwargs):
@@ -189,7 +177,7 @@ def test_gqa_without_mask_or_band_runs_the_tuned_kernels(monkeypatch, is_causal)
     torch.autograd.backward([out, lse], [grad_out, grad_lse])
     assert launched
     got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
-    assert_close_to(got, sdpa_gqa_float64(q, k, v, grad_out, grad_lse, is_causal), 2e-5)
+    assert_close_to(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal), 2e-5)
 
 
 GQA_CASES = {  # name: (is_causal, Tq, Tk, Hq, Hkv, dtype, layout); lengths not multiples of the tiles
@@ -207,7 +195,7 @@ GQA_CONFIGS = {  # name: (forward config, backward config); None: the interprete
 }
 
 
-def _gqa_tuned_kernels(case: str, configs: str) -> None:
+def _gqa_tuned_kernels(sdpa_gqa, case: str, configs: str) -> None:
     """triton_forward and triton_backward (with a gradient of L) on grouped K/V heads, against SDPA."""
     from flashattn_triton import triton_impl
 
@@ -221,24 +209,24 @@ def _gqa_tuned_kernels(case: str, configs: str) -> None:
     grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, 0.3, backward,
                                         grad_lse=grad_lse)  # fmt: skip
     got = dict(zip(NAMES, (out, lse, *grads), strict=True))
-    assert_close_to(got, sdpa_gqa_float64(q, k, v, grad_out, grad_lse, is_causal, 0.3),
+    assert_close_to(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal, 0.3),
                     2e-5 if dtype == torch.float32 else 4e-3)  # fmt: skip
 
 
 @pytest.mark.parametrize("configs", GQA_CONFIGS)
 @pytest.mark.parametrize("case", GQA_CASES)
-def test_gqa_tuned_kernels_match_sdpa(case, configs):
-    _gqa_tuned_kernels(case, configs)
+def test_gqa_tuned_kernels_match_sdpa(sdpa_gqa, case, configs):
+    _gqa_tuned_kernels(sdpa_gqa, case, configs)
 
 
 @pytest.mark.parametrize("configs", GQA_CONFIGS)
-def test_gqa_tuned_kernels_with_device_side_descriptors(monkeypatch, configs):
+def test_gqa_tuned_kernels_with_device_side_descriptors(monkeypatch, sdpa_gqa, configs):
     """GPUs before Hopper: the kernels describe K and V (of fewer heads) from pointers themselves."""
     from flashattn_triton import triton_impl
 
     monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     monkeypatch.setattr(triton_impl, "_plans", {})  # not the host-described plans of the tests before
-    _gqa_tuned_kernels("full-group4-tq<tk", configs)
+    _gqa_tuned_kernels(sdpa_gqa, "full-group4-tq<tk", configs)
 
 
 def test_flash_attention_triton_keeps_refusing_fewer_key_heads():

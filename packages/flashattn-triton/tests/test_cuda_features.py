@@ -1,6 +1,7 @@
 """flash_attention's features on a CUDA GPU, every dtype: the feature kernels (through the custom ops)
 against the PyTorch path run in float64 on the same inputs (test_features.py checks that path against
-naive float64 attention), forward and backward; dropout, determinism, routing and CUDA graphs."""
+naive float64 attention), forward and backward; grouped-query attention on the tuned kernels against SDPA's
+enable_gqa in float64; dropout, determinism, routing and CUDA graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from flashattn_triton import feature_impl, flash_attention, flash_attention_varlen, torch_impl, triton_impl
+from flashattn_triton import (
+    _configs,
+    _inputs,
+    _planning,
+    feature_impl,
+    flash_attention,
+    flash_attention_varlen,
+    torch_impl,
+    triton_impl,
+)
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -142,10 +152,11 @@ def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_o
             module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
         )
     q, k, v, _ = qkv(1, 4, 2, 128, 128, 64, torch.bfloat16)
-    flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+    flash_attention(q, k, v, is_causal=True, enable_gqa=True, window_size=(32, 0))
     flash_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
-    flash_attention(q, k, v, enable_gqa=True)  # no mask or band: the groups stacked along T
-    assert calls == ["feature_forward", "triton_forward", "triton_forward"]
+    flash_attention(q, k, v, is_causal=True, enable_gqa=True)  # no mask or band: grouped K/V heads read
+    flash_attention(q, k, v, enable_gqa=True)
+    assert calls == ["feature_forward", "triton_forward", "triton_forward", "triton_forward"]
 
 
 @pytest.mark.parametrize("enable_gqa", [False, True])
@@ -245,12 +256,69 @@ def test_flash_attention_varlen_on_cuda_equals_each_sequence_alone():
         torch.testing.assert_close(out[start:end], alone.transpose(0, 1), atol=2e-3, rtol=2e-3)
 
 
+def lse_gradient(q: torch.Tensor) -> torch.Tensor:
+    """A random gradient for flash_attention's lse (float32, q.shape[:-1])."""
+    return torch.randn(q.shape[:-1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+
+
+GQA_TUNED = {  # name: ((batch, Hq, Hkv, Tq, Tk, d), is_causal): lengths ragged against every tile
+    "causal-group4": ((2, 8, 2, 333, 333, 64), True),
+    "full-group4-tq<tk": ((2, 8, 2, 333, 400, 64), False),
+    "causal-group8-tq>tk": ((1, 8, 1, 400, 257, 128), True),
+    "full-group2-d96": ((1, 6, 3, 257, 520, 96), False),
+}
+
+
+@pytest.mark.parametrize("path", ["small", "small-kernel-built", "large"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_gqa_without_mask_or_band_on_stacked_groups_matches_float64(dtype):
-    """flash_attention's grouped-query attention that the tuned kernels take (groups stacked along T)."""
-    q, k, v, grad_out = qkv(2, 8, 2, 333, 400, 64, dtype)
+@pytest.mark.parametrize("case", GQA_TUNED)
+def test_gqa_without_mask_or_band_on_the_tuned_kernels_matches_sdpa(monkeypatch, sdpa_gqa, case, dtype, path):
+    """flash_attention's grouped-query attention, which the tuned kernels take (K/V heads read in place, dK
+    and dV per query head summed over each group), with a gradient through lse too: on the small-problem
+    path with descriptors from the host and, as on GPUs before Hopper, from the kernels; and on the
+    large-problem path (atomic dQ candidates)."""
+    def no_feature_kernels(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
+    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    monkeypatch.setattr(triton_impl, "_plans", {})
+    if path == "small-kernel-built":
+        monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
+    if path == "large":
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    shape, is_causal = GQA_TUNED[case]
+    q, k, v, grad_out = qkv(*shape, dtype)
+    grad_lse = lse_gradient(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attention(*leaves, enable_gqa=True, return_lse=True)
-    out.backward(grad_out)
+    out, lse = flash_attention(*leaves, is_causal=is_causal, enable_gqa=True, return_lse=True)
+    torch.autograd.backward([out, lse], [grad_out, grad_lse])
     got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
-    assert_close(got, float64_torch_path(op_arguments(q, k, v, enable_gqa=True), grad_out), dtype)
+    assert_close(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal), dtype)
+
+
+# Rows of the candidate tables: 16-bit at d = 64 (atomic dQ) and 128, float32 at 64 (transposed gradients)
+# and 128 (split launches).
+CANDIDATE_ROWS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64),
+                  (torch.float32, 128)]
+
+
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(("dtype", "head_dim"), CANDIDATE_ROWS, ids=lambda x: str(x).removeprefix("torch."))
+def test_gqa_on_every_tuned_candidate_matches_sdpa(sdpa_gqa, dtype, head_dim, is_causal):
+    """Every config the tuner may pick for a grouped problem (atomic dQ, transposed gradients, split
+    launches, split key tiles) computes the same function."""
+    q, k, v, grad_out = qkv(2, 8, 2, 333, 290, head_dim, dtype)
+    grad_lse = lse_gradient(q)
+    want = sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal)
+    size = q.element_size()
+    forward = _configs.forward_candidates(head_dim, size, False)
+    for config in _configs.with_split_key_tiles(forward, 1, 1 << 20, 1, 1):  # and each with split key tiles
+        out, lse = triton_impl.triton_forward(q, k, v, is_causal, None, config)
+        torch.cuda.synchronize()  # a fault is this config's
+        assert_close({**want, "out": out, "lse": lse}, want, dtype)
+    for config in _configs.backward_candidates(head_dim, size, False):
+        grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, head_dim**-0.5, config,
+                                            grad_lse=grad_lse)  # fmt: skip
+        torch.cuda.synchronize()
+        assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)

@@ -136,6 +136,17 @@ def test_deterministic_backward_candidates_have_no_atomics():
     assert exact.size_key != problem.size_key
 
 
+def test_grouped_problems_are_offered_no_hopper_kernels_and_tune_apart():
+    """Grouped-query attention (K/V heads shared by a group of query heads) never runs the Gluon kernels,
+    and keeps its tuned choice apart from attention without groups, by the group's size class."""
+    problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
+    grouped = dataclasses.replace(problem, group=8)
+    assert any(c.hopper for c in candidates(problem)) and not any(c.hopper for c in candidates(grouped))
+    assert dataclasses.replace(problem, hopper=False).size_key != grouped.size_key
+    assert dataclasses.replace(grouped, group=5).size_key == grouped.size_key
+    assert dataclasses.replace(grouped, group=2).size_key != grouped.size_key
+
+
 def test_small_problems_are_offered_split_key_tiles_by_size_class():
     one_head = Problem("fwd", 1, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
     assert one_head.small and any(c.kv_splits > 1 for c in candidates(one_head))
