@@ -49,6 +49,11 @@ def load_kernels(path: Path):
     return module
 
 
+# Query heads per K/V head: 1, attention without groups, which Triton specializes as a constant (as it
+# does any integer argument of 1).
+GROUP = 1
+
+
 def desc(ty: str, rows: int, cols: int, small: bool = False) -> str:
     return f"*{ty}" if small else f"tensordesc<{ty}[1, 1, {rows}, {cols}]>"
 
@@ -64,7 +69,7 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
                  "qk_scale": "fp32"}  # fmt: skip
     split = "split" in flags
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d, "CAUSAL": causal,
-                  "INPUT_PRECISION": precision, "SPLIT_KV": split}  # fmt: skip
+                  "INPUT_PRECISION": precision, "SPLIT_KV": split, "group": GROUP}  # fmt: skip
     constexprs.update(dict.fromkeys(["Out" if split else "Partials"]))
     # A KERNELS_FILE from before SPLIT_KV lacks it and the partials.
     signature = {name: x for name, x in signature.items() if name in kernels.attn_fwd.arg_names}
@@ -79,7 +84,7 @@ def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, 
                   "INPUT_PRECISION": "tf32x3" if ty == "fp32" else "tf32",
                   "TRANSPOSED_GRADS": "transposed" in flags,
                   "PHASE": "dkdv" if "dkdv" in flags else "dq" if "dq" in flags else "both",
-                  "O_S": None, "O_T": None}  # fmt: skip
+                  "O_S": None, "O_T": None, "group": GROUP}  # fmt: skip
     if not atomic:
         constexprs["DQ_ACC"] = None
     # A KERNELS_FILE from before TRANSPOSED_GRADS and PHASE lacks them.
