@@ -273,12 +273,12 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     share_allocation: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
     problem is small), then dK/dV and dQ in one launch (two for a split config); with fewer K/V heads than
-    query heads (grouped-query attention), dK and dV per query head, summed over each group after. grad_lse,
-    the gradient of
-    L where it is used too, is subtracted from D (dS = P (dP - D + dL)); deterministic leaves out the
-    atomic dQ. forward_plan: the plan of the forward that made out and lse from these q, k, v, which keeps
-    this backward's plan for the layout of grad_out. share_allocation: dQ, dK, dV may be slices of one
-    allocation (not for a custom op, whose outputs must not alias one another)."""
+    query heads (grouped-query attention), dK and dV per query head, summed over each group after.
+    grad_lse, the gradient of L where it is used too, is subtracted from D (dS = P (dP - D + dL));
+    deterministic leaves out the atomic dQ. forward_plan: the plan of the forward that made out and lse
+    from these q, k, v, which keeps this backward's plan for the layout of grad_out. share_allocation: dQ,
+    dK, dV may be slices of one allocation (not for a custom op, whose outputs must not alias one
+    another)."""
     kernels = _launcher.kernels()
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
