@@ -250,7 +250,7 @@ def attn_fwd(
         tile = num_tiles - 1 - tile
     z = bh // heads
     h = bh % heads
-    h_kv = h // group
+    h_kv = h // group  # the K/V head of this query head's group
     kv_heads = heads // group
     q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     k_desc = _input_descriptor(K, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
@@ -517,7 +517,7 @@ def attn_bwd(
     bh = pid // num_tiles
     z = bh // heads
     h = bh % heads
-    h_kv = h // group
+    h_kv = h // group  # the K/V head of this query head's group
     kv_heads = heads // group
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
