@@ -613,8 +613,35 @@ def test_flash_attention_with_dropout_runs_the_tuned_kernels(problem, monkeypatc
     _assert_same(results[0], [want[0], *want[2:]], names=("out", "dq", "dk", "dv"))
 
 
-def test_flash_attention_runs_a_band_with_dropout_on_the_tuned_kernels(problem, monkeypatch):
-    """flash_attention with a window and dropout where Tq = Tk and the heads match: the tuned kernels (not
+GROUPED_CASES = {  # name: is_causal, window, dropout_p; grouped-query attention (6 query heads, 2 K/V heads)
+    "causal-dropout": (True, None, 0.3),
+    "full-dropout": (False, None, 0.3),
+    "causal-band": (True, (9, 0), 0.0),
+    "band": (False, (7, 20), 0.0),
+    "causal-band-dropout": (True, (9, 0), 0.3),
+    "band-dropout": (False, (7, 20), 0.3),
+}
+
+
+@pytest.mark.parametrize("backward", ["default", "atomic-dq", "split", "transposed"])
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_grouped_queries_with_a_band_or_dropout_match_the_torch_path(case, backward):
+    """The K/V head a query head reads, a band's masks and dropout's kept mask are independent: grouped-query
+    attention with a band, dropout or both equals the PyTorch path, whose dropout counters are those of the
+    query heads (z, h) as the tuned kernels' are, in every backward variant."""
+    is_causal, window, dropout_p = GROUPED_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 61, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 61, 16, generator=generator) for _ in range(2))
+    grad_out = torch.randn(q.shape, generator=generator)
+    rng = torch.tensor([987654321, 2**33 - 5]) if dropout_p else None
+    inputs = (q, k, v, grad_out, is_causal, rng, dropout_p)
+    got = _dropout_results("tuned", *inputs, backward=DROPOUT_BACKWARDS[backward], window=window)
+    _assert_same(got, _dropout_results("torch", *inputs, window=window))
+
+
+def test_flash_attention_runs_grouped_queries_in_a_band_with_dropout_on_the_tuned_kernels(monkeypatch):
+    """flash_attention with grouped query heads, a window and dropout where Tq = Tk: the tuned kernels (not
     the feature kernels), equal to the PyTorch path drawn from the same seed."""
 
     def no_feature_kernels(*args, **kwargs):
@@ -622,13 +649,15 @@ def test_flash_attention_runs_a_band_with_dropout_on_the_tuned_kernels(problem, 
 
     monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
     monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
-    p = problem((2, 2), 40, 40, 16, torch.float32, False)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 40, 16, generator=generator) for _ in range(2))
+    grad_out = torch.randn(q.shape, generator=generator)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(3)
-    q, k, v = p.inputs()
-    out = flash_attention(q, k, v, dropout_p=0.25, window_size=(6, 11), scale=0.3)
-    out.backward(p.grad_out)
+    out = flash_attention(*leaves, dropout_p=0.25, window_size=(6, 11), scale=0.3, enable_gqa=True)
+    out.backward(grad_out)
     torch.manual_seed(3)
-    want = _dropout_results("torch", p.q, p.k, p.v, p.grad_out, False, draw_rng(p.q.device), 0.25,
-                            window=(6, 11))  # fmt: skip
-    got = [out.detach(), q.grad, k.grad, v.grad]
+    want = _dropout_results("torch", q, k, v, grad_out, False, draw_rng(q.device), 0.25, window=(6, 11))
+    got = [out.detach(), *(t.grad for t in leaves)]
     _assert_same(got, [want[0], *want[2:]], names=("out", "dq", "dk", "dv"))

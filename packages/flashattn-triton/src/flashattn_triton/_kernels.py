@@ -25,6 +25,13 @@ split in registers. (Triton's own tf32x3 splits every operand in registers, whic
 The forward's V comes transposed (see _load_value_parts); the backward can accumulate its gradients
 transposed (attn_bwd's TRANSPOSED_GRADS), for the same reason.
 
+Grouped-query attention: K and V have heads // group heads, and query head h reads K/V head h // group.
+group is a runtime integer: Triton specializes an argument of 1 as a constant, so attention with as many
+K/V heads as query heads compiles to the kernels it had before. The forward reads K and V in place. The
+backward keeps one program per (tile, query head), its work balanced as without groups, and writes dK and
+dV per query head into (Z, H, Tk, d) tensors (FlashAttention-2's "expanded" gradients), which the host sums
+over each group: no atomics, and no program walks a whole group's rows.
+
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
 and the masked ones after, and causal tiles that are fully masked are never visited. Ragged query
@@ -40,7 +47,8 @@ all (possible only where Tq != Tk) gets O = 0 and L = -inf.
 
 Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Philox at counters derived
 from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 4 adjacent
-keys), in the forward and again in the backward; nothing is stored.
+keys), in the forward and again in the backward; nothing is stored. A row's counters are those of its
+query head (z, h), with or without groups.
 """
 
 from __future__ import annotations
@@ -263,18 +271,18 @@ def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr, seed, row_calls,
     dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK / BAND_MASK
-    say so. Under DROPOUT, P V takes P times the kept mask / (1 - p) (kept, from the rows' row_calls),
-    while l sums P undropped: L stays the softmax's logsumexp."""
+    """Online softmax over the key tiles [lo, hi) of K/V head h_kv; masks only when CAUSAL_MASK / KEY_MASK
+    / BAND_MASK say so. Under DROPOUT, P V takes P times the kept mask / (1 - p) (kept, from the rows'
+    row_calls), while l sums P undropped: L stays the softmax's logsumexp."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         if CAUSAL_MASK or KEY_MASK or BAND_MASK:
             visible = _visible(offs_m, start_n + offs_n, seqlen_k, CAUSAL_MASK, KEY_MASK, window_left,
@@ -298,7 +306,7 @@ def _fwd_key_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             p = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), p * dropout_scale, 0.0)
-        v, v_low = _load_value_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_value_parts(v_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
         acc = _dot(p, p_low, v, v_low, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
@@ -307,12 +315,13 @@ def _fwd_key_tiles(
 
 @triton.jit(do_not_specialize=_WINDOW)
 def attn_fwd(
-    Q, K, V, Out, L, Partials, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
+    Q, K, V, Out, L, Partials, batch, heads, group, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
     Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,).
+    """One program per (query tile, z*h): O and L for BLOCK_M query rows, against K/V head h // group.
+    Grid: (tiles * Z * H,).
     Under SPLIT_KV, grid (tiles * Z * H, splits): program (i, s) walks the s-th share of the key tiles
     and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh (dropout, applied
     to P before P V, leaves them weighable as they are). BAND (not with CAUSAL, which it includes as
@@ -330,9 +339,11 @@ def attn_fwd(
         tile = num_tiles - 1 - tile
     z = bh // heads
     h = bh % heads
+    h_kv = h // group  # the K/V head of this query head's group
+    kv_heads = heads // group
     q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-    k_desc = _input_descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-    v_desc = _value_descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+    k_desc = _input_descriptor(K, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+    v_desc = _value_descriptor(V, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
     if not SPLIT_KV:
         o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
@@ -371,20 +382,20 @@ def attn_fwd(
         start_n += split * unmasked_tiles // splits * BLOCK_N
         masked_end = tl.where(last, masked_end, unmasked_end)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, start_n, unmasked_end, seqlen_k,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, start_n, unmasked_end, seqlen_k,
         qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION, window_left, window_right, False, seed,
         row_calls, dropout_threshold, dropout_scale, DROPOUT,
     )  # fmt: skip
     if BAND:
         acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, band_start, band_end, seqlen_k,
-            qk_scale, BLOCK_N, BLOCK_D, False, True, INPUT_PRECISION, window_left, window_right, True, seed,
-            row_calls, dropout_threshold, dropout_scale, DROPOUT,
+            acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, band_start, band_end,
+            seqlen_k, qk_scale, BLOCK_N, BLOCK_D, False, True, INPUT_PRECISION, window_left, window_right,
+            True, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT,
         )  # fmt: skip
     # The causal diagonal (a band's upper edge) and the ragged end of the keys (empty for non-causal with
     # full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, unmasked_end, masked_end, seqlen_k,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, unmasked_end, masked_end, seqlen_k,
         qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION, window_left, window_right, BAND, seed,
         row_calls, dropout_threshold, dropout_scale, DROPOUT,
     )  # fmt: skip
@@ -554,20 +565,21 @@ def _bwd_query_tiles(
 
 @triton.jit
 def _bwd_key_tiles(
-    dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h_kv, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr, window_left, window_right,
     BAND_MASK: tl.constexpr, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi); under
-    DROPOUT with dS = P∘(M∘dP / (1 - p) - D), M the forward's mask (rows' counters from row_calls)."""
+    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi) of K/V
+    head h_kv; under DROPOUT with dS = P∘(M∘dP / (1 - p) - D), M the forward's mask (rows' counters from
+    row_calls)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         if TRANSPOSED_GRADS:
             k_whole = _whole(k, k_low, INPUT_PRECISION)
-        v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_parts(v_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
         if CAUSAL_MASK or KEY_MASK or BAND_MASK:
@@ -589,7 +601,7 @@ def _bwd_key_tiles(
 @triton.jit(do_not_specialize=_WINDOW)
 def attn_bwd(
     Q_S, DO_S, K_S, V_S, Q_T, DO_T, K_T, V_T, DQ, DK, DV, L, Delta, O_S, O_T, DQ_ACC,
-    batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
+    batch, heads, group, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
@@ -600,6 +612,9 @@ def attn_bwd(
     through the keys BLOCK_M at a time; no T x T tensor. Under causal masking key tile i has the most
     work when i is small and query tile i when i is large, so every program does about the same work.
     Grid: (max(key tiles, query tiles) * Z * H,).
+
+    Programs are per query head h, reading K/V head h // group: DK and DV are (Z, H, Tk, d), each query
+    head's share of its K/V head's gradients, for the host to sum over the group.
 
     With ATOMIC_DQ the dK/dV loop also adds each (already scaled) dQ share into DQ_ACC (float32,
     zeroed, (Z, H, dq_acc_rows, BLOCK_D), dq_acc_rows a multiple of BLOCK_M >= seqlen_q) and the dQ
@@ -647,6 +662,8 @@ def attn_bwd(
     bh = pid // num_tiles
     z = bh // heads
     h = bh % heads
+    h_kv = h // group  # the K/V head of this query head's group
+    kv_heads = heads // group
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
     seed, rng_offset = _rng_state(Rng, DROPOUT)
@@ -663,10 +680,10 @@ def attn_bwd(
 
     if PHASE != "dq" and start < seqlen_k:
         offs_n = start + tl.arange(0, BLOCK_N)
-        k_own = _input_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        v_own = _input_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        k, k_low = _load_parts(k_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        v, v_low = _load_parts(v_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k_own = _input_descriptor(K_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v_own = _input_descriptor(V_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_own, z, batch, h_kv, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_parts(v_own, z, batch, h_kv, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         if ATOMIC_DQ and INPUT_PRECISION != "tf32x3":
             # The softmax scale of dQ, folded into its keys once instead of into every share.
             k_dq = (k.to(tl.float32) * scale).to(k.dtype)
@@ -771,9 +788,9 @@ def attn_bwd(
                 dq = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
             else:
                 dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            k_step = _input_descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
+            k_step = _input_descriptor(K_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
-            v_step = _input_descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
+            v_step = _input_descriptor(V_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
             row_calls = head_calls + offs_m.to(tl.int64) * calls_per_row
             # The keys [band_start, masked_end) meet these queries: unmasked in [unmasked_start,
@@ -791,27 +808,27 @@ def attn_bwd(
                 masked_end = seqlen_k
             if TRANSPOSED_GRADS:  # one loop, as for dK and dV
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, band_start,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m, band_start,
                     masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
                     TRANSPOSED_GRADS, window_left, window_right, BAND, seed, row_calls, dropout_threshold,
                     dropout_scale, DROPOUT,
                 )  # fmt: skip
             else:
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_start,
-                    unmasked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False,
-                    window_left, window_right, False, seed, row_calls, dropout_threshold, dropout_scale,
-                    DROPOUT,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m,
+                    unmasked_start, unmasked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False,
+                    INPUT_PRECISION, False, window_left, window_right, False, seed, row_calls,
+                    dropout_threshold, dropout_scale, DROPOUT,
                 )  # fmt: skip
                 if BAND:
                     dq = _bwd_key_tiles(
-                        dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, band_start,
-                        unmasked_start, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, True, INPUT_PRECISION,
-                        False, window_left, window_right, True, seed, row_calls, dropout_threshold,
-                        dropout_scale, DROPOUT,
+                        dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m,
+                        band_start, unmasked_start, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, True,
+                        INPUT_PRECISION, False, window_left, window_right, True, seed, row_calls,
+                        dropout_threshold, dropout_scale, DROPOUT,
                     )  # fmt: skip
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m, unmasked_end,
                     masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, False,
                     window_left, window_right, BAND, seed, row_calls, dropout_threshold, dropout_scale,
                     DROPOUT,

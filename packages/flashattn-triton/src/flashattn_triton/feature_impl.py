@@ -1,6 +1,6 @@
 """Launchers of the feature kernels (_feature_kernels): the Triton path of every problem the tuned kernels
-do not take (grouped-query attention, bands other than top-left causal, masks, dropout, packed sequences,
-a gradient through the log-sum-exp). Same arguments and results as torch_impl.attention_forward and
+do not take (bands other than top-left causal, masks, dropout, packed sequences, each also with
+grouped-query attention). Same arguments and results as torch_impl.attention_forward and
 attention_backward; the backward is deterministic (no atomics).
 
 Triton is imported on first use. Tile shapes follow the head dim and dtype (no tuning: these launches
