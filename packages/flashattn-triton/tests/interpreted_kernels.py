@@ -312,6 +312,16 @@ def test_gradients_through_lse_and_out(check_gradients_through_lse):
     check_gradients_through_lse("cpu", seqlen=40)
 
 
+def no_feature_kernels(monkeypatch) -> None:
+    """Make the feature kernels fail the test if they run: the problem must take the tuned kernels."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", refuse)
+    monkeypatch.setattr(feature_impl, "feature_backward", refuse)
+
+
 # Bands (sliding windows): ((B, H), Tq, Tk, d, causal, window). Lengths are no multiple of the
 # interpreter's tiles (32 x 16 forward, 16 x 32 backward), so that every edge meets ragged tiles.
 BAND_CASES = [
@@ -416,12 +426,7 @@ def test_bands_with_split_key_tiles(case, kv_splits):
 def test_flash_attention_runs_bands_on_the_tuned_kernels(monkeypatch, is_causal, window):
     """flash_attention's window_size where Tq = Tk and the heads match: the tuned kernels (not the feature
     kernels), against SDPA with the band as a dense boolean mask, in float64 on the same inputs."""
-
-    def no_feature_kernels(*args, **kwargs):
-        raise AssertionError("the feature kernels ran")
-
-    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
-    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    no_feature_kernels(monkeypatch)
     q, k, v, grad_out = band_problem(((2, 3), 45, 45, 16, is_causal, window), seed=1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(*leaves, is_causal=is_causal, window_size=window, return_lse=True)
@@ -591,12 +596,7 @@ def test_kept_fraction_is_within_a_binomial_bound():
 def test_flash_attention_with_dropout_runs_the_tuned_kernels(problem, monkeypatch):
     """flash_attention(dropout_p=...) without mask, band or GQA takes the tuned kernels (not the feature
     kernels), follows torch.manual_seed, and matches the PyTorch path drawn from the same seed."""
-
-    def no_feature_kernels(*args, **kwargs):
-        raise AssertionError("the feature kernels ran")
-
-    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
-    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    no_feature_kernels(monkeypatch)
     p = problem((2, 2), 30, 30, 16, torch.float32, True)
     results = []
     for seed in (7, 7, 8):
@@ -643,12 +643,7 @@ def test_grouped_queries_with_a_band_or_dropout_match_the_torch_path(case, backw
 def test_flash_attention_runs_grouped_queries_in_a_band_with_dropout_on_the_tuned_kernels(monkeypatch):
     """flash_attention with grouped query heads, a window and dropout where Tq = Tk: the tuned kernels (not
     the feature kernels), equal to the PyTorch path drawn from the same seed."""
-
-    def no_feature_kernels(*args, **kwargs):
-        raise AssertionError("the feature kernels ran")
-
-    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
-    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    no_feature_kernels(monkeypatch)
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 40, 16, generator=generator)
     k, v = (torch.randn(2, 2, 40, 16, generator=generator) for _ in range(2))
