@@ -18,7 +18,8 @@ needs them added here.
 
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES[/ATOMIC_DQ][:FLAGS], FLAGS from transposed (the
 backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward), split (the forward's
-SPLIT_KV) and band (BAND, a sliding window; CAUSAL off, as the launcher passes it), comma-separated.
+SPLIT_KV), band (BAND, a sliding window; CAUSAL off, as the launcher passes it), dropout (DROPOUT) and
+group (grouped-query attention: group a runtime integer rather than the constant 1), comma-separated.
 KERNELS_FILE compiles another version of _kernels.py (an experiment, an older commit's).
 """
 
@@ -40,6 +41,8 @@ from triton.backends.compiler import GPUTarget
 KERNELS = Path(__file__).resolve().parents[1] / "src/flashattn_triton/_kernels.py"
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# The dropout arguments (unused, and compiled out, without the dropout flag): p = 0.1's threshold is an i32.
+DROPOUT_ARGUMENTS = {"Rng": "*i64", "dropout_threshold": "i32", "dropout_scale": "fp32"}
 
 
 def load_kernels(path: Path):
@@ -47,6 +50,13 @@ def load_kernels(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def group_constexpr(flags: set) -> dict:
+    """The kernels' group (query heads per K/V head): without the group flag 1, attention without groups,
+    which Triton specializes as a constant (as it does any integer argument of 1); with it a runtime i32
+    (the signature's default for a lowercase name)."""
+    return {} if "group" in flags else {"group": 1}
 
 
 def desc(ty: str, rows: int, cols: int, small: bool = False) -> str:
@@ -61,14 +71,17 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
                  "V": desc(ty, *value, small), "Out": desc(ty, block_m, block_d, small), "L": "*fp32",
                  "Partials": "*fp32",
                  "batch": "i32", "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
-                 "qk_scale": "fp32", "window_left": "i32", "window_right": "i32"}  # fmt: skip
+                 "qk_scale": "fp32", "window_left": "i32", "window_right": "i32", "group": "i32",
+                 **DROPOUT_ARGUMENTS}  # fmt: skip
     split = "split" in flags
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
                   "CAUSAL": causal and "band" not in flags, "INPUT_PRECISION": precision, "SPLIT_KV": split,
-                  "BAND": "band" in flags}  # fmt: skip
+                  "BAND": "band" in flags, "DROPOUT": "dropout" in flags,
+                  **group_constexpr(flags)}  # fmt: skip
     constexprs.update(dict.fromkeys(["Out" if split else "Partials"]))
-    # A KERNELS_FILE from before SPLIT_KV or BAND lacks them and their arguments.
-    signature = {name: x for name, x in signature.items() if name in kernels.attn_fwd.arg_names}
+    # A KERNELS_FILE from before SPLIT_KV, BAND or DROPOUT lacks them and their arguments.
+    signature = {name: x for name, x in signature.items()
+                 if name in kernels.attn_fwd.arg_names and name not in constexprs}  # fmt: skip
     constexprs = {name: x for name, x in constexprs.items() if name in kernels.attn_fwd.arg_names}
     return kernels.attn_fwd, signature, constexprs
 
@@ -81,16 +94,19 @@ def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, 
                   "INPUT_PRECISION": "tf32x3" if ty == "fp32" else "tf32",
                   "TRANSPOSED_GRADS": "transposed" in flags,
                   "PHASE": "dkdv" if "dkdv" in flags else "dq" if "dq" in flags else "both",
-                  "O_S": None, "O_T": None}  # fmt: skip
+                  "O_S": None, "O_T": None, "DROPOUT": "dropout" in flags,
+                  **group_constexpr(flags)}  # fmt: skip
     if not atomic:
         constexprs["DQ_ACC"] = None
-    # A KERNELS_FILE from before TRANSPOSED_GRADS, PHASE and BAND lacks them.
+    # A KERNELS_FILE from before TRANSPOSED_GRADS, PHASE, BAND and DROPOUT lacks them.
     constexprs = {name: x for name, x in constexprs.items() if name in kernels.attn_bwd.arg_names}
     signature = {}
     for name in kernels.attn_bwd.arg_names:
         if name in constexprs:
             continue
-        if name in ("L", "Delta"):
+        if name in DROPOUT_ARGUMENTS:
+            signature[name] = DROPOUT_ARGUMENTS[name]
+        elif name in ("L", "Delta"):
             signature[name] = "*fp32"
         elif name in ("qk_scale", "scale"):
             signature[name] = "fp32"
@@ -137,9 +153,10 @@ def compile_one(kernels, spec: str, block_d: int, ty: str, causal: bool, small: 
                                                     causal, small)  # fmt: skip
     signature.update({name: "constexpr" for name in constexprs})
     # As the JIT specializes a large problem: 16-aligned pointers, integers divisible by 16 (but the
-    # window's, which the kernels do not specialize on).
+    # window's, which the kernels do not specialize on, and a group's, a small integer).
+    unspecialized = ("window_left", "window_right", "group")
     specialized = [name for name in fn.arg_names if signature[name].startswith("*")
-                   or signature[name] == "i32" and not name.startswith("window_")]  # fmt: skip
+                   or signature[name] == "i32" and name not in unspecialized]  # fmt: skip
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in specialized}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.time()

@@ -297,6 +297,25 @@ def check_gradients_through_lse():
     return _check_gradients_through_lse
 
 
+def _sdpa_gqa_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                      grad_lse: torch.Tensor, is_causal: bool, scale: float | None = None) -> dict:
+    """SDPA with enable_gqa=True in float64 on the same data: out, lse and the gradients of q, k, v for
+    <out, grad_out> + <lse, grad_lse> (lse from the scores against K repeated per query head), by NAMES."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale,
+                                                           enable_gqa=True)  # fmt: skip
+    keys = leaves[1].repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+    lse = reference_logsumexp(leaves[0], keys, is_causal, scale)
+    grads = torch.autograd.grad([out, lse], leaves, [grad_out.double(), grad_lse.double()])
+    return dict(zip(NAMES, (out.detach(), lse.detach(), *grads), strict=True))
+
+
+@pytest.fixture
+def sdpa_gqa():
+    """_sdpa_gqa_float64(q, k, v, grad_out, grad_lse, is_causal, scale=None) -> float64 results by NAMES."""
+    return _sdpa_gqa_float64
+
+
 @pytest.fixture
 def triton_interpreter() -> None:
     """Skips unless Triton's interpreter can run the kernels: Triton >= 3.9, whose interpreter handles their

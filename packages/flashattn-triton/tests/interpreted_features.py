@@ -1,5 +1,6 @@
 """The feature kernels (_feature_kernels through feature_impl) under Triton's CPU interpreter, against the
-PyTorch path (itself checked against float64 references in test_features.py), forward and backward.
+PyTorch path (itself checked against float64 references in test_features.py), forward and backward; and
+grouped-query attention on the tuned kernels (triton_impl), against SDPA's enable_gqa in float64.
 
 Not collected on its own (TRITON_INTERPRET must be set before the kernels are first imported):
 test_features_interpreter.py runs this file in a pytest subprocess with TRITON_INTERPRET=1.
@@ -13,7 +14,8 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from flashattn_triton import feature_impl, flash_attention, torch_impl
+from flashattn_triton import _inputs, feature_impl, flash_attention, torch_impl
+from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -30,16 +32,23 @@ def run(forward, backward, args: OpArguments, grad_out: torch.Tensor, grad_lse=N
     return dict(zip(NAMES, (out, lse, *grads), strict=True))
 
 
-def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> None:
-    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out, grad_lse)
-    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+def assert_close_to(got: dict, want: dict, bound: float) -> None:
+    """Each of NAMES within bound of want's, as max error relative to want's largest value (or 1)."""
     for name in NAMES:
-        assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
         unseen = want[name] == float("-inf")  # lse of rows that see no key
         assert torch.equal(got[name] == float("-inf"), unseen), name
         g, w = got[name].double().masked_fill(unseen, 0), want[name].double().masked_fill(unseen, 0)
         error = (g - w).abs().max().item() / max(w.abs().max().item(), 1.0)
-        assert error <= bound, f"{name}: max error {error:.2e} relative to max |torch path|"
+        assert error <= bound, f"{name}: max error {error:.2e} relative to max |reference|"
+
+
+def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> None:
+    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out, grad_lse)
+    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
+    for name in NAMES:
+        assert got[name].dtype == want[name].dtype, name
+    assert_close_to(got, want, bound)
 
 
 def qkv(batch=2, q_heads=4, kv_heads=2, seqlen_q=37, seqlen_k=45, head_dim=16, dtype=torch.float32):
@@ -147,7 +156,8 @@ def test_deterministic_backward_is_bitwise_repeatable():
         assert torch.equal(first, second)
 
 
-def test_gqa_without_mask_or_band_runs_the_tuned_kernels_on_stacked_groups(monkeypatch):
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+def test_gqa_without_mask_or_band_runs_the_tuned_kernels(monkeypatch, sdpa_gqa, is_causal):
     from flashattn_triton import triton_impl
 
     def no_feature_kernels(*args, **kwargs):
@@ -162,41 +172,75 @@ def test_gqa_without_mask_or_band_runs_the_tuned_kernels_on_stacked_groups(monke
     )
     q, k, v, grad_out = qkv(q_heads=6, kv_heads=2)
     tensors = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attention(*tensors, enable_gqa=True, return_lse=True)
+    out, lse = flash_attention(*tensors, is_causal=is_causal, enable_gqa=True, return_lse=True)
     grad_lse = torch.randn(lse.shape)
     torch.autograd.backward([out, lse], [grad_out, grad_lse])
     assert launched
-    args = op_arguments(q, k, v, enable_gqa=True)
-    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
     got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
-    for name in NAMES:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+    assert_close_to(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal), 2e-5)
 
 
-def test_causal_gqa_runs_the_tuned_kernels_on_repeated_keys_and_values(monkeypatch):
+GQA_CASES = {  # name: (is_causal, Tq, Tk, Hq, Hkv, dtype, layout); lengths not multiples of the tiles
+    "causal-group2": (True, 37, 37, 4, 2, torch.float32, "contiguous"),
+    "full-group4-tq<tk": (False, 29, 45, 8, 2, torch.float32, "contiguous"),
+    "causal-group4-tq>tk-transposed": (True, 45, 29, 4, 1, torch.float32, "transposed"),
+    "full-group2-tq>tk-float16": (False, 41, 23, 6, 3, torch.float16, "contiguous"),
+}
+GQA_CONFIGS = {  # name: (forward config, backward config); None: the interpreter's default
+    "default": (None, None),
+    "kv-splits-atomic-dq": (ForwardConfig(32, 16, 4, 1, kv_splits=2),
+                            BackwardConfig(16, 32, 4, 1, atomic_dq=True)),
+    "split": (None, BackwardConfig(32, 16, 4, 1, split=True, dq_block_m=16)),
+    "transposed-grads": (None, BackwardConfig(16, 32, 4, 1, transposed_grads=True)),
+}
+
+
+def _gqa_tuned_kernels(sdpa_gqa, case: str, configs: str) -> None:
+    """triton_forward and triton_backward (with a gradient of L) on grouped K/V heads, against SDPA."""
     from flashattn_triton import triton_impl
 
-    def no_feature_kernels(*args, **kwargs):
-        raise AssertionError("the feature kernels ran")
+    is_causal, seqlen_q, seqlen_k, q_heads, kv_heads, dtype, layout = GQA_CASES[case]
+    forward, backward = GQA_CONFIGS[configs]
+    q, k, v, grad_out = qkv(2, q_heads, kv_heads, seqlen_q, seqlen_k, 16, dtype)
+    if layout == "transposed":  # (B, T, H, d) in memory
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    grad_lse = torch.randn(q.shape[:-1], generator=torch.Generator().manual_seed(1))
+    out, lse = triton_impl.triton_forward(q, k, v, is_causal, 0.3, forward)
+    grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, 0.3, backward,
+                                        grad_lse=grad_lse)  # fmt: skip
+    got = dict(zip(NAMES, (out, lse, *grads), strict=True))
+    assert_close_to(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal, 0.3),
+                    2e-5 if dtype == torch.float32 else 4e-3)  # fmt: skip
 
-    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
-    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
-    launched = []
-    original = triton_impl.triton_backward
-    monkeypatch.setattr(
-        triton_impl, "triton_backward", lambda *a, **kw: launched.append(1) or original(*a, **kw)
-    )
-    q, k, v, grad_out = qkv(q_heads=6, kv_heads=2)
-    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attention(*tensors, is_causal=True, enable_gqa=True, return_lse=True)
-    grad_lse = torch.randn(lse.shape)
-    torch.autograd.backward([out, lse], [grad_out, grad_lse])
-    assert launched
-    args = op_arguments(q, k, v, is_causal=True, enable_gqa=True)
-    want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
-    got = {"out": out, "lse": lse, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
-    for name in NAMES:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("configs", GQA_CONFIGS)
+@pytest.mark.parametrize("case", GQA_CASES)
+def test_gqa_tuned_kernels_match_sdpa(sdpa_gqa, case, configs):
+    _gqa_tuned_kernels(sdpa_gqa, case, configs)
+
+
+@pytest.mark.parametrize("configs", GQA_CONFIGS)
+def test_gqa_tuned_kernels_with_device_side_descriptors(monkeypatch, sdpa_gqa, configs):
+    """GPUs before Hopper: the kernels describe K and V (of fewer heads) from pointers themselves."""
+    from flashattn_triton import triton_impl
+
+    monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
+    monkeypatch.setattr(triton_impl, "_plans", {})  # not the host-described plans of the tests before
+    _gqa_tuned_kernels(sdpa_gqa, "full-group4-tq<tk", configs)
+
+
+def test_flash_attention_triton_keeps_refusing_fewer_key_heads():
+    """FlashAttentionTriton (the assignment's Function) takes K and V with q's heads only, also after
+    triton_forward made a plan for the same grouped inputs."""
+    from flashattn_triton import FlashAttentionTriton, triton_impl
+
+    q, k, v, _ = qkv(1, 4, 2, 20, 20)
+    triton_impl.triton_forward(q, k, v, True, None)
+    with pytest.raises(ValueError, match="batch/head dims"):
+        FlashAttentionTriton.apply(q, k, v, True)
+    three_heads = k[:, :1].expand(1, 3, 20, 16)
+    with pytest.raises(ValueError, match="must divide the number of heads"):
+        triton_impl.triton_forward(q, three_heads, three_heads, True, None)
 
 
 def _inside_guards(x: torch.Tensor, rows: int = 40) -> torch.Tensor:

@@ -18,12 +18,14 @@ from flashattn_triton import (
     _inputs,
     _launcher,
     _planning,
+    feature_impl,
     flash_attention,
     ops,
     torch_impl,
     triton_impl,
 )
 from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
+from flashattn_triton._dropout import Dropout, draw_rng
 from flashattn_triton._inputs import tf32_parts
 from flashattn_triton.triton_impl import triton_backward, triton_forward
 
@@ -310,6 +312,16 @@ def test_gradients_through_lse_and_out(check_gradients_through_lse):
     check_gradients_through_lse("cpu", seqlen=40)
 
 
+def no_feature_kernels(monkeypatch) -> None:
+    """Make the feature kernels fail the test if they run: the problem must take the tuned kernels."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", refuse)
+    monkeypatch.setattr(feature_impl, "feature_backward", refuse)
+
+
 # Bands (sliding windows): ((B, H), Tq, Tk, d, causal, window). Lengths are no multiple of the
 # interpreter's tiles (32 x 16 forward, 16 x 32 backward), so that every edge meets ragged tiles.
 BAND_CASES = [
@@ -414,13 +426,7 @@ def test_bands_with_split_key_tiles(case, kv_splits):
 def test_flash_attention_runs_bands_on_the_tuned_kernels(monkeypatch, is_causal, window):
     """flash_attention's window_size where Tq = Tk and the heads match: the tuned kernels (not the feature
     kernels), against SDPA with the band as a dense boolean mask, in float64 on the same inputs."""
-    from flashattn_triton import feature_impl
-
-    def no_feature_kernels(*args, **kwargs):
-        raise AssertionError("the feature kernels ran")
-
-    monkeypatch.setattr(feature_impl, "feature_forward", no_feature_kernels)
-    monkeypatch.setattr(feature_impl, "feature_backward", no_feature_kernels)
+    no_feature_kernels(monkeypatch)
     q, k, v, grad_out = band_problem(((2, 3), 45, 45, 16, is_causal, window), seed=1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = flash_attention(*leaves, is_causal=is_causal, window_size=window, return_lse=True)
@@ -444,3 +450,209 @@ def test_opcheck_of_a_band():
     torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
     out, lse = ops.attn_fwd(q, k, v, *options)
     torch.library.opcheck(ops.attn_bwd, (torch.randn_like(out), None, q, k, v, out, lse, *options, False))
+
+
+def _dropout_results(implementation: str, q, k, v, grad_out, is_causal, rng, dropout_p=0.3, scale=0.3,
+                     forward=None, backward=None, window=None) -> list[torch.Tensor]:  # fmt: skip
+    """[out, lse, dq, dk, dv] of one path with dropout: "tuned" (the tuned kernels, with configs forward and
+    backward), "features" (the feature kernels) or "torch" (the PyTorch path); window: a band's (left,
+    right)."""
+    if implementation == "tuned":
+        drop = {"dropout_p": dropout_p, "rng_state": rng, "window": window}
+        out, lse = triton_forward(q, k, v, is_causal, scale, forward, **drop)
+        return [out, lse, *triton_backward(q, k, v, out, lse, grad_out, is_causal, scale, backward, **drop)]
+    if implementation == "features":
+        forward, backward = feature_impl.feature_forward, feature_impl.feature_backward
+    else:
+        forward, backward = torch_impl.attention_forward, torch_impl.attention_backward
+    left, right = (-1, -1) if window is None else window
+    options = {"dropout_p": dropout_p, "rng_state": rng, "scale": scale, "window_left": left,
+               "window_right": 0 if is_causal else right}  # fmt: skip
+    out, lse = forward(q, k, v, **options)
+    return [out, lse, *backward(grad_out, q, k, v, out, lse, **options)]
+
+
+def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor], bound: float = 2e-5,
+                 names: tuple[str, ...] = ("out", "lse", "dq", "dk", "dv")) -> None:  # fmt: skip
+    for name, g, w in zip(names, got, want, strict=True):
+        error = (g - w).abs().max().item() / max(w.abs().max().item(), 1.0)
+        assert error <= bound, f"{name}: max error {error:.2e} relative to max |reference|"
+
+
+DROPOUT_CASES = [  # (leading dims, Tq, Tk, d, causal)
+    ((2, 3), 50, 37, 32, True),
+    ((2, 1), 33, 70, 16, False),
+]
+DROPOUT_BACKWARDS = {
+    "default": None,
+    "atomic-dq": BackwardConfig(16, 32, 4, 1, atomic_dq=True),
+    "one-launch": BackwardConfig(32, 16, 4, 1),
+    "split": BackwardConfig(16, 32, 4, 1, split=True),
+    "transposed": BackwardConfig(32, 16, 4, 1, transposed_grads=True),
+}
+
+
+@pytest.mark.parametrize("backward", DROPOUT_BACKWARDS)
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=[f"{c[1]}x{c[2]}-d{c[3]}-{'causal' if c[4] else 'full'}"
+                                                     for c in DROPOUT_CASES])  # fmt: skip
+def test_dropout_in_the_tuned_kernels_matches_the_torch_path(problem, case, backward):
+    """The tuned kernels with dropout, every backward variant, against the PyTorch path with the same
+    (seed, offset): the same probabilities dropped, so the same outputs and gradients to float32 accuracy."""
+    lead, seqlen_q, seqlen_k, head_dim, is_causal = case
+    p = problem(lead, seqlen_q, seqlen_k, head_dim, torch.float32, is_causal)
+    torch.manual_seed(0)
+    rng = draw_rng(p.q.device)
+    inputs = (p.q, p.k, p.v, p.grad_out, is_causal, rng)
+    got = _dropout_results("tuned", *inputs, backward=DROPOUT_BACKWARDS[backward])
+    _assert_same(got, _dropout_results("torch", *inputs))
+    # Another (seed, offset) drops other probabilities: far outside the bound.
+    other = _dropout_results("torch", *inputs[:-1], draw_rng(p.q.device))
+    assert (got[0] - other[0]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("backward", DROPOUT_BACKWARDS)
+@pytest.mark.parametrize(("is_causal", "window"), [(True, (9, 0)), (False, (7, 20))], ids=["causal", "both"])
+def test_dropout_in_a_band_matches_the_torch_path(problem, is_causal, window, backward):
+    """A band and dropout together: the band's masks and the kept mask are independent (each probability's
+    Philox counter depends on its row and key alone, not on the tiles the band visits), so every backward
+    variant equals the PyTorch path with the same (seed, offset)."""
+    p = problem((2, 2), 61, 61, 16, torch.float32, is_causal)
+    rng = torch.tensor([987654321, 2**33 - 5])
+    inputs = (p.q, p.k, p.v, p.grad_out, is_causal, rng)
+    got = _dropout_results("tuned", *inputs, backward=DROPOUT_BACKWARDS[backward], window=window)
+    _assert_same(got, _dropout_results("torch", *inputs, window=window))
+    without_band = _dropout_results("torch", *inputs)  # the band matters here
+    assert (got[0] - without_band[0]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("backward", ["default", "atomic-dq"])
+def test_dropout_with_d_in_the_backward_kernel(problem, backward):
+    """float32 with TF32 allowed (not in parts), as 16-bit inputs run: a small problem's backward computes
+    D = rowsum(dO * O) from the dropped O in its kernel, with dQ added up directly or atomically."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        p = problem((1, 2), 40, 50, 16, torch.float32, True)
+        rng = draw_rng(p.q.device)
+        inputs = (p.q, p.k, p.v, p.grad_out, True, rng)
+        got = _dropout_results("tuned", *inputs, backward=DROPOUT_BACKWARDS[backward])
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    _assert_same(got, _dropout_results("torch", *inputs))
+    (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "bwd"]
+    assert plan.delta_from_o
+
+
+@pytest.mark.parametrize("kv_splits", [2, 3])
+def test_dropout_with_split_key_tiles(problem, kv_splits):
+    """The forward's split form with dropout: each split's partial results drop their own keys' share, and
+    the combine weighs them as without dropout."""
+    p = problem((2, 1), 40, 90, 16, torch.float32, True)
+    rng = torch.tensor([123456789, 2**40 + 3])
+    config = dataclasses.replace(INTERPRETER_FORWARD, kv_splits=kv_splits)
+    got = _dropout_results("tuned", p.q, p.k, p.v, p.grad_out, True, rng, forward=config)
+    _assert_same(got, _dropout_results("torch", p.q, p.k, p.v, p.grad_out, True, rng))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tuned_and_feature_kernels_drop_the_same_probabilities(is_causal):
+    """With V the identity, O = P∘M / (1 - p) shows each kept probability: the tuned kernels, the feature
+    kernels and Dropout.scale_tile (the PyTorch path's mask) keep exactly the same ones, on ragged tiles
+    (Tk not a multiple of 4), and the results agree to float32 accuracy."""
+    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 2, 29, 23, 32
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, generator=generator)
+    k = torch.randn(batch, heads, seqlen_k, head_dim, generator=generator)
+    v = torch.eye(seqlen_k, head_dim).expand(batch, heads, -1, -1).contiguous()
+    grad_out = torch.randn(q.shape, generator=generator)
+    rng = torch.tensor([2**61 + 5, 2**33 - 2])  # the counters cross 2**32
+    tuned = _dropout_results("tuned", q, k, v, grad_out, is_causal, rng, dropout_p=0.4)
+    features = _dropout_results("features", q, k, v, grad_out, is_causal, rng, dropout_p=0.4)
+    mask = Dropout.dense(0.4, rng, heads, seqlen_q, seqlen_k).scale_tile(batch, heads, range(seqlen_q),
+                                                                         range(seqlen_k))  # fmt: skip
+    if is_causal:
+        mask = mask.tril()
+    for out in (tuned[0], features[0]):
+        assert torch.equal(out[..., :seqlen_k] != 0, mask != 0)
+    _assert_same(tuned, features)
+
+
+def test_kept_fraction_is_within_a_binomial_bound():
+    """The tuned kernel's kept probabilities (read off O with V the identity) over 16384 of them: their
+    fraction, and that of each of the four Philox outputs (keys j % 4), within 5 standard deviations of
+    1 - p."""
+    dropout_p, batch_heads, seqlen_q, seqlen_k = 0.2, 4, 128, 32
+    q = torch.zeros(1, batch_heads, seqlen_q, seqlen_k)  # equal scores: P = 1 / Tk, never 0
+    v = torch.eye(seqlen_k).expand(1, batch_heads, -1, -1).contiguous()
+    torch.manual_seed(1)
+    out, _ = triton_forward(q, q[:, :, :seqlen_k], v, False, 1.0, dropout_p=dropout_p,
+                            rng_state=draw_rng(q.device))  # fmt: skip
+    kept = (out != 0).reshape(-1, 4).double()  # columns: the four outputs of each Philox call
+    for sample in (kept, *kept.T):
+        bound = 5 * (dropout_p * (1 - dropout_p) / sample.numel()) ** 0.5
+        assert abs(sample.mean().item() - (1 - dropout_p)) <= bound, (sample.mean().item(), bound)
+
+
+def test_flash_attention_with_dropout_runs_the_tuned_kernels(problem, monkeypatch):
+    """flash_attention(dropout_p=...) without mask, band or GQA takes the tuned kernels (not the feature
+    kernels), follows torch.manual_seed, and matches the PyTorch path drawn from the same seed."""
+    no_feature_kernels(monkeypatch)
+    p = problem((2, 2), 30, 30, 16, torch.float32, True)
+    results = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        q, k, v = p.inputs()
+        out = flash_attention(q, k, v, dropout_p=0.25, is_causal=True, scale=0.3)
+        out.backward(p.grad_out)
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+    for first, again in zip(results[0], results[1], strict=True):
+        assert torch.equal(first, again)
+    assert not torch.equal(results[0][0], results[2][0])
+    torch.manual_seed(7)
+    want = _dropout_results("torch", p.q, p.k, p.v, p.grad_out, True, draw_rng(p.q.device), 0.25)
+    _assert_same(results[0], [want[0], *want[2:]], names=("out", "dq", "dk", "dv"))
+
+
+GROUPED_CASES = {  # name: is_causal, window, dropout_p; grouped-query attention (6 query heads, 2 K/V heads)
+    "causal-dropout": (True, None, 0.3),
+    "full-dropout": (False, None, 0.3),
+    "causal-band": (True, (9, 0), 0.0),
+    "band": (False, (7, 20), 0.0),
+    "causal-band-dropout": (True, (9, 0), 0.3),
+    "band-dropout": (False, (7, 20), 0.3),
+}
+
+
+@pytest.mark.parametrize("backward", ["default", "atomic-dq", "split", "transposed"])
+@pytest.mark.parametrize("case", GROUPED_CASES)
+def test_grouped_queries_with_a_band_or_dropout_match_the_torch_path(case, backward):
+    """The K/V head a query head reads, a band's masks and dropout's kept mask are independent: grouped-query
+    attention with a band, dropout or both equals the PyTorch path, whose dropout counters are those of the
+    query heads (z, h) as the tuned kernels' are, in every backward variant."""
+    is_causal, window, dropout_p = GROUPED_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 61, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 61, 16, generator=generator) for _ in range(2))
+    grad_out = torch.randn(q.shape, generator=generator)
+    rng = torch.tensor([987654321, 2**33 - 5]) if dropout_p else None
+    inputs = (q, k, v, grad_out, is_causal, rng, dropout_p)
+    got = _dropout_results("tuned", *inputs, backward=DROPOUT_BACKWARDS[backward], window=window)
+    _assert_same(got, _dropout_results("torch", *inputs, window=window))
+
+
+def test_flash_attention_runs_grouped_queries_in_a_band_with_dropout_on_the_tuned_kernels(monkeypatch):
+    """flash_attention with grouped query heads, a window and dropout where Tq = Tk: the tuned kernels (not
+    the feature kernels), equal to the PyTorch path drawn from the same seed."""
+    no_feature_kernels(monkeypatch)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, 16, generator=generator)
+    k, v = (torch.randn(2, 2, 40, 16, generator=generator) for _ in range(2))
+    grad_out = torch.randn(q.shape, generator=generator)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    out = flash_attention(*leaves, dropout_p=0.25, window_size=(6, 11), scale=0.3, enable_gqa=True)
+    out.backward(grad_out)
+    torch.manual_seed(3)
+    want = _dropout_results("torch", q, k, v, grad_out, False, draw_rng(q.device), 0.25, window=(6, 11))
+    got = [out.detach(), *(t.grad for t in leaves)]
+    _assert_same(got, [want[0], *want[2:]], names=("out", "dq", "dk", "dv"))

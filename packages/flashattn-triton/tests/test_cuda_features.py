@@ -1,6 +1,8 @@
 """flash_attention's features on a CUDA GPU, every dtype: the feature kernels (through the custom ops)
 against the PyTorch path run in float64 on the same inputs (test_features.py checks that path against
-naive float64 attention), forward and backward; dropout, determinism, routing and CUDA graphs."""
+naive float64 attention), forward and backward; grouped-query attention on the tuned kernels against SDPA's
+enable_gqa in float64; dropout (in the feature kernels and in the tuned ones), determinism, routing and
+CUDA graphs."""
 
 from __future__ import annotations
 
@@ -10,7 +12,17 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from flashattn_triton import feature_impl, flash_attention, flash_attention_varlen, torch_impl, triton_impl
+from flashattn_triton import (
+    _configs,
+    _inputs,
+    _planning,
+    feature_impl,
+    flash_attention,
+    flash_attention_varlen,
+    torch_impl,
+    triton_impl,
+)
+from flashattn_triton._dropout import Dropout, draw_rng
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -54,8 +66,8 @@ def feature_kernels(args: OpArguments, grad_out: torch.Tensor) -> dict:
     return dict(zip(NAMES, (out, lse, *grads), strict=True))
 
 
-def assert_close(got: dict, want: dict, dtype: torch.dtype) -> None:
-    for name in NAMES:
+def assert_close(got: dict, want: dict, dtype: torch.dtype, names: tuple[str, ...] = NAMES) -> None:
+    for name in names:
         unseen = want[name] == float("-inf")
         assert torch.equal(got[name] == float("-inf"), unseen), f"{name}: rows that see no key differ"
         g, w = got[name].double().masked_fill(unseen, 0), want[name].masked_fill(unseen, 0)
@@ -144,10 +156,16 @@ def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_o
             module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
         )
     q, k, v, _ = qkv(1, 4, 2, 128, 128, 64, torch.bfloat16)
-    flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+    mask = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()
+    flash_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # a mask: the feature kernels
+    flash_attention(q[:, :, :100], k, v, enable_gqa=True, window_size=(16, 0))  # a band with Tq != Tk: too
+    flash_attention(q, k, v, is_causal=True, enable_gqa=True, window_size=(32, 0))
     flash_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
-    flash_attention(q, k, v, enable_gqa=True)  # no mask or band: the groups stacked along T
-    assert calls == ["feature_forward", "triton_forward", "triton_forward"]
+    flash_attention(q, k, v, is_causal=True, enable_gqa=True)  # grouped K/V heads read in place
+    flash_attention(q, k, v, enable_gqa=True)
+    flash_attention(q, k, v, dropout_p=0.1, enable_gqa=True, window_size=(16, 0))
+    tuned, features = "triton_forward", "feature_forward"
+    assert calls == [features, features, tuned, tuned, tuned, tuned, tuned]
 
 
 @pytest.mark.parametrize("enable_gqa", [False, True])
@@ -247,15 +265,41 @@ def test_flash_attention_varlen_on_cuda_equals_each_sequence_alone():
         torch.testing.assert_close(out[start:end], alone.transpose(0, 1), atol=2e-3, rtol=2e-3)
 
 
+def lse_gradient(q: torch.Tensor) -> torch.Tensor:
+    """A random gradient for flash_attention's lse (float32, q.shape[:-1])."""
+    return torch.randn(q.shape[:-1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+
+
+GQA_TUNED = {  # name: ((batch, Hq, Hkv, Tq, Tk, d), is_causal): lengths ragged against every tile
+    "causal-group4": ((2, 8, 2, 333, 333, 64), True),
+    "full-group4-tq<tk": ((2, 8, 2, 333, 400, 64), False),
+    "causal-group8-tq>tk": ((1, 8, 1, 400, 257, 128), True),
+    "full-group2-d96": ((1, 6, 3, 257, 520, 96), False),
+}
+
+
+@pytest.mark.parametrize("path", ["small", "small-kernel-built", "large"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_gqa_without_mask_or_band_on_stacked_groups_matches_float64(dtype):
-    """flash_attention's grouped-query attention that the tuned kernels take (groups stacked along T)."""
-    q, k, v, grad_out = qkv(2, 8, 2, 333, 400, 64, dtype)
+@pytest.mark.parametrize("case", GQA_TUNED)
+def test_gqa_without_mask_or_band_on_the_tuned_kernels_matches_sdpa(monkeypatch, sdpa_gqa, case, dtype, path):
+    """flash_attention's grouped-query attention, which the tuned kernels take (K/V heads read in place, dK
+    and dV per query head summed over each group), with a gradient through lse too: on the small-problem
+    path with descriptors from the host and, as on GPUs before Hopper, from the kernels; and on the
+    large-problem path (atomic dQ candidates)."""
+    no_feature_kernels(monkeypatch)
+    monkeypatch.setattr(triton_impl, "_plans", {})
+    if path == "small-kernel-built":
+        monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
+    if path == "large":
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    shape, is_causal = GQA_TUNED[case]
+    q, k, v, grad_out = qkv(*shape, dtype)
+    grad_lse = lse_gradient(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = flash_attention(*leaves, enable_gqa=True, return_lse=True)
-    out.backward(grad_out)
+    out, lse = flash_attention(*leaves, is_causal=is_causal, enable_gqa=True, return_lse=True)
+    torch.autograd.backward([out, lse], [grad_out, grad_lse])
     got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
-    assert_close(got, float64_torch_path(op_arguments(q, k, v, enable_gqa=True), grad_out), dtype)
+    assert_close(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal), dtype)
 
 
 BAND_CASES = {  # name: (batch, heads, T, d), is_causal, window_size; the tuned kernels' bands (Tq = Tk)
@@ -348,4 +392,112 @@ def test_bands_route_to_the_tuned_kernels_only_where_they_apply(monkeypatch):
     flash_attention(q, k, v, window_size=(64, 32))
     flash_attention(q, k[:, :2], v[:, :2], is_causal=True, window_size=(64, 0), enable_gqa=True)
     flash_attention(q[:, :, :100], k, v, window_size=(64, 32))  # Tq != Tk
-    assert calls == ["triton_forward", "triton_forward", "feature_forward", "feature_forward"]
+    assert calls == ["triton_forward", "triton_forward", "triton_forward", "feature_forward"]
+
+
+TUNED_DROPOUT_CASES = {  # name: (batch, Hq, Hkv, Tq, Tk, d), is_causal, large-problem path, window_size
+    "causal": ((2, 4, 4, 1000, 1000, 64), True, False, None),
+    "full-ragged": ((1, 3, 3, 333, 517, 128), False, False, None),
+    "causal-tq-gt-tk-d96": ((2, 2, 2, 700, 301, 96), True, False, None),
+    "causal-large-path": ((2, 4, 4, 1030, 1030, 64), True, True, None),  # atomic dQ (16-bit), D preprocess
+    "band-both-sides": ((2, 3, 3, 700, 700, 64), False, False, (100, 37)),  # a band's masks and dropout's
+    "causal-band-large-path": ((2, 4, 4, 1030, 1030, 128), True, True, (200, 0)),
+    "gqa-full-ragged": ((2, 8, 2, 333, 517, 64), False, False, None),  # counters of the query heads
+    "gqa-causal-band-large-path": ((1, 8, 2, 1030, 1030, 64), True, True, (150, 0)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", TUNED_DROPOUT_CASES)
+def test_dropout_in_the_tuned_kernels_matches_float64(case, dtype, monkeypatch):
+    """flash_attention with dropout and no mask (with or without a band, grouped-query or not) runs the tuned
+    kernels, whose outputs and gradients equal the float64 PyTorch path's with the same (seed, offset): the
+    same probabilities dropped, the backward's mask the forward's."""
+    shape, is_causal, large, window = TUNED_DROPOUT_CASES[case]
+    if large:
+        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(triton_impl, "_plans", {})
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")  # the default configs (every one: the next test)
+    no_feature_kernels(monkeypatch)
+    q, k, v, grad_out = qkv(*shape, dtype)
+    grouped = q.shape[1] != k.shape[1]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(0)
+    out, lse = flash_attention(*leaves, dropout_p=0.15, is_causal=is_causal, window_size=window,
+                               enable_gqa=grouped, return_lse=True)  # fmt: skip
+    out.backward(grad_out)
+    torch.cuda.synchronize()  # a fault is this case's, not the next test's
+    got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
+    torch.manual_seed(0)  # the same draw of (seed, offset)
+    args = op_arguments(q, k, v, dropout_p=0.15, is_causal=is_causal, window_size=window, enable_gqa=grouped)
+    assert_close(got, float64_torch_path(args, grad_out), dtype)
+
+
+EVERY_CANDIDATE = [(torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64), (torch.float32, 128),
+                   (torch.bfloat16, 256)]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), EVERY_CANDIDATE, ids=str)
+def test_every_tuned_config_with_dropout(dtype, head_dim):
+    """Every config the tuner may pick for a dropout problem (split key tiles in the forward; atomic,
+    one-launch, transposed and split backwards) drops the probabilities the PyTorch path drops."""
+    q, k, v, grad_out = qkv(2, 3, 3, 333, 290, head_dim, dtype)
+    rng = draw_rng(q.device)
+    args = op_arguments(q, k, v, dropout_p=0.2, is_causal=True, scale=head_dim**-0.5)._replace(rng_state=rng)
+    want = float64_torch_path(args, grad_out)
+    drop = {"dropout_p": 0.2, "rng_state": rng}
+    forward = _configs.forward_candidates(head_dim, q.element_size(), False)
+    for config in _configs.with_split_key_tiles(forward, 1, 1 << 20, 1, 1):  # and each with split key tiles
+        out, lse = triton_impl.triton_forward(q, k, v, True, head_dim**-0.5, config, **drop)
+        assert_close({"out": out, "lse": lse}, want, dtype, ("out", "lse"))
+    for config in _configs.backward_candidates(head_dim, q.element_size(), False):
+        grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, head_dim**-0.5, config, **drop)
+        torch.cuda.synchronize()
+        assert_close(dict(zip(("dq", "dk", "dv"), grads, strict=True)), want, dtype, ("dq", "dk", "dv"))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_tuned_and_feature_kernels_drop_the_same_probabilities_on_cuda(dtype, is_causal):
+    """With V the identity, O = P∘M / (1 - p) shows every kept probability: the tuned kernels, the feature
+    kernels and Dropout.scale_tile (the PyTorch path's mask) keep exactly the same ones."""
+    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 3, 301, 123, 128
+    q, k, _, _ = qkv(batch, heads, heads, seqlen_q, seqlen_k, head_dim, dtype)
+    v = torch.eye(seqlen_k, head_dim, device="cuda", dtype=dtype).expand(batch, heads, -1, -1).contiguous()
+    rng = torch.tensor([2**61 + 5, 2**33 - 2], device="cuda")  # the counters cross 2**32
+    tuned, _ = triton_impl.triton_forward(q, k, v, is_causal, 0.1, dropout_p=0.4, rng_state=rng)
+    features, _ = feature_impl.feature_forward(q, k, v, dropout_p=0.4, rng_state=rng, scale=0.1,
+                                               window_right=0 if is_causal else -1)  # fmt: skip
+    mask = Dropout.dense(0.4, rng, heads, seqlen_q, seqlen_k).scale_tile(batch, heads, range(seqlen_q),
+                                                                         range(seqlen_k))  # fmt: skip
+    if is_causal:
+        mask = mask.tril()
+    for out in (tuned, features):
+        assert torch.equal(out[..., :seqlen_k] != 0, mask != 0)
+
+
+# Rows of the candidate tables: 16-bit at d = 64 (atomic dQ) and 128, float32 at 64 (transposed gradients)
+# and 128 (split launches).
+CANDIDATE_ROWS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float32, 64),
+                  (torch.float32, 128)]
+
+
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize(("dtype", "head_dim"), CANDIDATE_ROWS, ids=lambda x: str(x).removeprefix("torch."))
+def test_gqa_on_every_tuned_candidate_matches_sdpa(sdpa_gqa, dtype, head_dim, is_causal):
+    """Every config the tuner may pick for a grouped problem (atomic dQ, transposed gradients, split
+    launches, split key tiles) computes the same function."""
+    q, k, v, grad_out = qkv(2, 8, 2, 333, 290, head_dim, dtype)
+    grad_lse = lse_gradient(q)
+    want = sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal)
+    size = q.element_size()
+    forward = _configs.forward_candidates(head_dim, size, False)
+    for config in _configs.with_split_key_tiles(forward, 1, 1 << 20, 1, 1):  # and each with split key tiles
+        out, lse = triton_impl.triton_forward(q, k, v, is_causal, None, config)
+        torch.cuda.synchronize()  # a fault is this config's
+        assert_close({**want, "out": out, "lse": lse}, want, dtype)
+    for config in _configs.backward_candidates(head_dim, size, False):
+        grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, head_dim**-0.5, config,
+                                            grad_lse=grad_lse)  # fmt: skip
+        torch.cuda.synchronize()
+        assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)

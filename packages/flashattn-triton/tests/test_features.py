@@ -227,16 +227,49 @@ def test_dropout_follows_torch_manual_seed():
     assert not torch.equal(results[0]["out"], results[2]["out"])
 
 
-def test_philox_is_tritons_randint():
-    """Known values of Triton's tl.randint(seed, offset) (Philox4x32-10, seed 1234, offsets 0..3 and
-    2**32 + 7), which the kernels draw: the PyTorch path must drop the same probabilities."""
+def test_philox_is_tritons_randint4x():
+    """Known values of Triton's tl.randint4x(seed, offset) (Philox4x32-10, seed 1234, offsets 0..3 and
+    2**32 + 7: its four outputs each), which the kernels draw: the PyTorch path must drop the same
+    probabilities."""
     counters = torch.tensor([0, 1, 2, 3, 2**32 + 7])
-    got = philox(torch.tensor(1234), counters)
-    assert got.tolist() == PHILOX_1234
+    got = torch.stack(philox(torch.tensor(1234), counters), -1)
+    assert got.tolist() == PHILOX4X_1234
     assert threshold(0.0) == 0 and threshold(0.5) == 2**31
 
 
-PHILOX_1234 = [546353992, 2666454581, 1070188760, 3055983166, 1425943112]  # from tl.randint, Triton 3.9
+PHILOX4X_1234 = [  # from tl.randint4x, Triton 3.9
+    [546353992, 3665621163, 1140953199, 3419031310],
+    [2666454581, 482218876, 4196888723, 343858512],
+    [1070188760, 4228315704, 3424062247, 2300394257],
+    [3055983166, 599211371, 1926069095, 3900454750],
+    [1425943112, 3396949509, 1492197842, 3855575411],
+]
+
+
+def test_four_adjacent_keys_share_one_philox_call():
+    """Key j of a row takes output j % 4 of the call at offset + row * ceil(Tk / 4) + j // 4 (rows padded to
+    whole calls), whatever tile of keys asks: every ragged tile of a row reads the same numbers."""
+    rng = torch.tensor([1234, 5])
+    dropout = Dropout.dense(0.5, rng, heads=2, seqlen_q=3, seqlen_k=10)
+    assert (dropout.stride_b, dropout.stride_h, dropout.stride_i) == (18, 9, 3)
+    whole = dropout.scale_tile(2, 2, range(3), range(10))
+    numbers = torch.stack(philox(rng[0], torch.arange(36) + 5), -1).view(2, 2, 3, 12)[..., :10]
+    assert torch.equal(whole, (numbers >= 2**31).float() * 2.0)
+    for start, stop in ((0, 3), (3, 10), (5, 6), (4, 8)):
+        tile = dropout.scale_tile(2, 2, range(1, 3), range(start, stop))
+        assert torch.equal(tile, whole[:, :, 1:, start:stop])
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_within_a_binomial_bound(dropout_p):
+    """Over 2 x 4 x 128 x 257 probabilities, the kept fraction and that of each Philox output (keys j % 4)
+    lie within 5 standard deviations of 1 - p."""
+    torch.manual_seed(0)
+    dropout = Dropout.dense(dropout_p, draw_rng(torch.device("cpu")), 4, 128, 257)
+    kept = dropout.scale_tile(2, 4, range(128), range(257)) != 0
+    for sample in (kept, *(kept[..., j::4] for j in range(4))):
+        bound = 5 * (dropout_p * (1 - dropout_p) / sample.numel()) ** 0.5
+        assert abs(sample.double().mean().item() - (1 - dropout_p)) <= bound
 
 
 def test_draw_rng_uses_the_default_generator():

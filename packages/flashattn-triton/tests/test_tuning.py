@@ -136,6 +136,31 @@ def test_deterministic_backward_candidates_have_no_atomics():
     assert exact.size_key != problem.size_key
 
 
+def test_dropout_problems_run_no_gluon_kernels_and_small_ones_may_add_dq_atomically():
+    """The Gluon kernels have no dropout; a small problem with dropout keeps the atomic-dQ candidates (one
+    draw of each tile's mask), a small one without does not, and a deterministic one never."""
+    for pass_name in ("fwd", "bwd"):
+        large = Problem(pass_name, 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
+        dropout = dataclasses.replace(large, dropout=True)
+        assert large.uses_hopper and not dropout.uses_hopper
+        assert not any(c.hopper for c in candidates(dropout)) and dropout.size_key != large.size_key
+    small = Problem("bwd", 8, 4096, 4096, 64, torch.bfloat16, True, "tf32", 132, dropout=True)
+    assert small.small and any(c.atomic_dq for c in candidates(small))
+    assert not any(c.atomic_dq for c in candidates(dataclasses.replace(small, dropout=False)))
+    assert not any(c.atomic_dq for c in candidates(dataclasses.replace(small, deterministic=True)))
+
+
+def test_grouped_problems_are_offered_no_hopper_kernels_and_tune_apart():
+    """Grouped-query attention (K/V heads shared by a group of query heads) never runs the Gluon kernels,
+    and keeps its tuned choice apart from attention without groups, by the group's size class."""
+    problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
+    grouped = dataclasses.replace(problem, group=8)
+    assert any(c.hopper for c in candidates(problem)) and not any(c.hopper for c in candidates(grouped))
+    assert dataclasses.replace(problem, hopper=False).size_key != grouped.size_key
+    assert dataclasses.replace(grouped, group=5).size_key == grouped.size_key
+    assert dataclasses.replace(grouped, group=2).size_key != grouped.size_key
+
+
 def test_small_problems_are_offered_split_key_tiles_by_size_class():
     one_head = Problem("fwd", 1, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
     assert one_head.small and any(c.kv_splits > 1 for c in candidates(one_head))
@@ -190,3 +215,12 @@ def test_an_unwritable_cache_warns_and_the_choice_still_holds(cache_dir, monkeyp
         assert choose(cache, timings, monkeypatch) == CANDIDATES[1]
     assert choose(cache, timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1
     assert not list(cache_dir.rglob("*.tmp"))
+
+
+def test_bands_dropout_and_groups_each_tune_apart():
+    """The size key holds a band's span class, dropout and the group's class side by side: each, and all
+    three together, keep a tuned choice of their own."""
+    problem = Problem("fwd", 64, 4096, 4096, 64, torch.bfloat16, True, "tf32", 132)
+    variants = ({}, {"band_span": 256}, {"dropout": True}, {"group": 4},
+                {"band_span": 256, "dropout": True, "group": 4})  # fmt: skip
+    assert len({dataclasses.replace(problem, **v).size_key for v in variants}) == len(variants)

@@ -2,12 +2,16 @@
 forward's mask instead of storing it.
 
 A call draws ``rng = (seed, offset)`` (int64, shape (2,)) from torch's default generator for the device
-(:func:`draw_rng`), so ``torch.manual_seed(s)`` before two calls gives the same masks. Probability (b, h,
-i, j) is kept iff Philox4x32-10 (Triton's ``tl.randint``: key = the seed's two halves, counter = (offset
-+ n, its high half, 0, 0)) at n = b * stride_b + h * stride_h + i * stride_i + j gives at least
-``threshold(p) = round(p * 2**32)``; kept ones are scaled by 1 / (1 - p). :func:`philox` computes the same
-numbers as ``tl.randint`` with int64 tensor arithmetic on any device, so the PyTorch path and the kernels
-drop the same probabilities.
+(:func:`draw_rng`), so ``torch.manual_seed(s)`` before two calls gives the same masks. One Philox4x32-10
+call (Triton's ``tl.randint4x``: key = the seed's two halves, counter = (c, its high half, 0, 0)) gives
+four 32-bit numbers, one each for four adjacent keys of a row: probability (b, h, i, j) takes output
+j % 4 of the call at c = offset + b * stride_b + h * stride_h + i * stride_i + j // 4, the rows being
+``ceil(Tk / 4)`` calls apart (:meth:`Dropout.dense`). That is element n of the row-major (B, H, Tq, Tk)
+counter space, its rows padded to a multiple of 4 keys, taking output n % 4 of the call at offset + n // 4;
+a kernel's key tiles start at multiples of 4, so they need one call per 4 keys. Probability is kept iff
+its number is at least ``threshold(p) = round(p * 2**32)``; kept ones are scaled by 1 / (1 - p).
+:func:`philox` computes the same numbers as ``tl.randint4x`` with int64 tensor arithmetic on any device,
+so the PyTorch path and the kernels drop the same probabilities.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return high, low
 
 
-def philox(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
-    """Triton's ``tl.randint(seed, counter)`` (uint32 values, held in int64) for int64 counters >= 0."""
+def philox(seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Triton's ``tl.randint4x(seed, counter)``: its four outputs (uint32 values, held in int64) for int64
+    counters >= 0 (``tl.randint`` is the first)."""
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
     c2 = c3 = torch.zeros_like(c0)
@@ -60,13 +65,22 @@ def philox(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
         high_a, low_a = _mul_hi_lo(_ROUND_A, c0)
         c0, c1, c2, c3 = high_b ^ c1 ^ k0, low_b, high_a ^ c3 ^ k1, low_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
+
+
+KEYS_PER_CALL = 4  # Philox4x32's outputs: one call serves four adjacent keys of a row
+
+
+def calls_per_row(seqlen_k: int) -> int:
+    """Philox calls per query row: its keys in groups of KEYS_PER_CALL, the last one padded."""
+    return -(-seqlen_k // KEYS_PER_CALL)
 
 
 @dataclasses.dataclass(frozen=True)
 class Dropout:
-    """The dropout of one problem: probability p, rng = (seed, offset), and the counter strides of a
-    (batch, head, query row) step; the counter of key j is offset + base + those steps + j."""
+    """The dropout of one problem: probability p, rng = (seed, offset), and the counter strides (in Philox
+    calls) of a (batch, head, query row) step; key j of a row takes output j % 4 of the call at
+    offset + base + those steps + j // 4."""
 
     p: float
     rng: torch.Tensor
@@ -77,18 +91,31 @@ class Dropout:
 
     @classmethod
     def dense(cls, p: float, rng: torch.Tensor, heads: int, seqlen_q: int, seqlen_k: int) -> Dropout:
-        """The counters of a (B, H, Tq, Tk) problem: its elements numbered in row-major order."""
-        return cls(p, rng, heads * seqlen_q * seqlen_k, seqlen_q * seqlen_k, seqlen_k)
+        """The counters of a (B, H, Tq, Tk) problem: rows of calls_per_row(Tk) calls, in row-major order."""
+        row = calls_per_row(seqlen_k)
+        return cls(p, rng, heads * seqlen_q * row, seqlen_q * row, row)
+
+    @classmethod
+    def packed(cls, p: float, rng: torch.Tensor, total_q: int, max_seqlen_k: int,
+               first_row: int = 0) -> Dropout:  # fmt: skip
+        """The counters of packed sequences (varlen): those of a (1, H, total_q, max_seqlen_k) problem, with
+        the rows of the sequence whose first packed row is first_row numbered from 0."""
+        row = calls_per_row(max_seqlen_k)
+        return cls(p, rng, 0, total_q * row, row, first_row * row)
 
     def scale_tile(self, batch: int, heads: int, rows: range, cols: range) -> torch.Tensor:
         """float32 (batch, heads, len(rows), len(cols)): 1 / (1 - p) where kept, 0 where dropped."""
         device = self.rng.device
+        first_call, end_call = cols.start // KEYS_PER_CALL, -(-cols.stop // KEYS_PER_CALL)
         counter = (
             torch.arange(batch, device=device).view(-1, 1, 1, 1) * self.stride_b
             + torch.arange(heads, device=device).view(-1, 1, 1) * self.stride_h
             + torch.arange(rows.start, rows.stop, device=device).view(-1, 1) * self.stride_i
-            + torch.arange(cols.start, cols.stop, device=device)
+            + torch.arange(first_call, end_call, device=device)
             + (self.base + self.rng[1])
         )
-        kept = philox(self.rng[0], counter) >= threshold(self.p)
+        # The calls' four outputs side by side: the numbers of keys first_call * 4 onwards, in order.
+        numbers = torch.stack(philox(self.rng[0], counter), -1).flatten(-2)
+        first = cols.start - first_call * KEYS_PER_CALL
+        kept = numbers[..., first : first + len(cols)] >= threshold(self.p)
         return kept.to(torch.float32) / (1.0 - self.p)

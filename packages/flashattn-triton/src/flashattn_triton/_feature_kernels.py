@@ -12,9 +12,9 @@ one whose programs start at their sequence's row.
   which bounds exist). Each loop runs only over the tiles that intersect the band.
 - Masks: loaded tile by tile (MASK: 0 none, 1 bool as uint8, 2 float added to the scores); a bool tile
   that keeps nothing is skipped before its products.
-- Dropout: Philox (tl.randint) of the counter offset + z * stride_b + h * stride_h + row * stride_i +
-  key, keyed by the seed; the backward draws the same numbers (see _dropout, which computes them in
-  PyTorch). Nothing is stored.
+- Dropout: Philox (_kernels.kept: tl.randint4x, one call per 4 keys) at the counter offset + z * stride_b +
+  h * stride_h + row * stride_i + key // 4, keyed by the seed; the backward draws the same numbers (see
+  _dropout, which computes them in PyTorch). Nothing is stored.
 - Varlen: with VARLEN, sequence z spans rows cu_seqlens[z]:cu_seqlens[z + 1]; programs past its end exit.
 - The backward is two launches with no atomics, so it is deterministic: dK/dV (one program per key tile
   and K/V head), then dQ (one per query tile and query head). D = rowsum(dO * O) comes in from the host.
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from flashattn_triton._kernels import kept
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -126,17 +128,18 @@ def _live(visible, MASK: tl.constexpr):
 
 
 @triton.jit
-def _keep(seed_ptr, counters, threshold):
-    """Which probabilities dropout keeps: Philox's 32-bit number at each counter at least threshold."""
+def _keep(seed_ptr, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
+    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 dropout keeps in the rows whose Philox
+    calls start at row_calls (without the offset)."""
     seed = tl.load(seed_ptr)
     offset = tl.load(seed_ptr + 1)
-    return tl.randint(seed, offset + counters).to(tl.int64) >= threshold
+    return kept(seed, offset + row_calls, start_n, threshold, BLOCK_N)
 
 
 @triton.jit
 def _counters(z, h, rows, stride_b, stride_h, stride_i):
-    """Dropout counters of (z, h, rows) up to the key: one column, to which the keys are added."""
-    return z.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows.to(tl.int64)[:, None] * stride_i
+    """The dropout counters (Philox calls) of key 0 in the rows (z, h, rows)."""
+    return z.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows.to(tl.int64) * stride_i
 
 
 @triton.jit
@@ -177,7 +180,7 @@ def _fwd_tiles(
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
-                keep = _keep(Rng, counter_base + cols[None, :], threshold)
+                keep = _keep(Rng, counter_base, start_n, threshold, BLOCK_N)
                 p = tl.where(keep, p * dropout_scale, 0.0)
             v = tl.load(_tile_ptrs(v_base, cols, stride_vt, BLOCK_D), mask=in_keys, other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
@@ -259,11 +262,11 @@ def _row_stats(L, Delta, z, h, q_start, rows, seqlen_q, stride_lz, stride_lh, st
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, cols, lo, hi,
-    seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz, stride_lh, stride_lt, qk_scale,
-    offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK: tl.constexpr, DROPOUT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, start_n, cols, lo,
+    hi, seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz, stride_lh, stride_lt,
+    qk_scale, offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK: tl.constexpr, DROPOUT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile accumulated over query head h's tiles [lo, hi)."""
     offs_m = tl.arange(0, BLOCK_M)
@@ -282,8 +285,8 @@ def _dkdv_tiles(
             p = tl.math.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
             if DROPOUT:
-                counters = counter_base + (q_start + rows).to(tl.int64)[:, None] * stride_di
-                keep = _keep(Rng, counters, threshold)
+                row_calls = counter_base + (q_start + rows).to(tl.int64) * stride_di
+                keep = _keep(Rng, row_calls, start_n, threshold, BLOCK_N)
                 p_dropped = tl.where(keep, p * dropout_scale, 0.0)
                 dp = tl.where(keep, dp * dropout_scale, 0.0)
             else:
@@ -324,7 +327,7 @@ def _dq_tiles(
             p = tl.math.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
             if DROPOUT:
-                keep = _keep(Rng, counter_base + cols[None, :], threshold)
+                keep = _keep(Rng, counter_base, start_n, threshold, BLOCK_N)
                 dp = tl.where(keep, dp * dropout_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -368,13 +371,13 @@ def attn_bwd_dkdv(
         q_base = Q + z.to(tl.int64) * stride_qz + h * stride_qh + q_start.to(tl.int64) * stride_qt
         do_base = DO + z.to(tl.int64) * stride_doz + h * stride_doh + q_start.to(tl.int64) * stride_dot
         mask_base = Mask + z.to(tl.int64) * stride_mz + h * stride_mh + cols.to(tl.int64)[None, :] * stride_mk
-        counter_base = z.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + cols[None, :]
+        counter_base = z.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
         # One loop, masked throughout: split like attn_fwd's, the three loops' registers spill (sm_90).
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, cols, lo,
-            hi, seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz, stride_lh,
-            stride_lt, qk_scale, offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M, BLOCK_D,
-            HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION,
+            dk, dv, k, v, q_base, do_base, mask_base, counter_base, Rng, L, Delta, z, h, q_start, start_n,
+            cols, lo, hi, seqlen_q, seqlen_k, head_dim, stride_qt, stride_dot, stride_mq, stride_lz,
+            stride_lh, stride_lt, qk_scale, offset, left, right, threshold, dropout_scale, stride_di, BLOCK_M,
+            BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, MASK, DROPOUT, INPUT_PRECISION,
         )  # fmt: skip
     dk_base = DK + z.to(tl.int64) * stride_dkz + kv_head * stride_dkh + k_start.to(tl.int64) * stride_dkt
     dv_base = DV + z.to(tl.int64) * stride_dvz + kv_head * stride_dvh + k_start.to(tl.int64) * stride_dvt

@@ -57,7 +57,8 @@ def available() -> bool:
 
 def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
     """Whether the Gluon kernel of pass_name ("fwd" or "bwd") runs this problem: Hopper, 16-bit, a head
-    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, contiguous tensors (q, k, v[, out, dO])."""
+    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, contiguous tensors (q, k, v[, out, dO]) all of
+    q's shape (so not grouped-query attention, whose K and V have fewer heads)."""
     sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
     if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS[pass_name]):
         return False

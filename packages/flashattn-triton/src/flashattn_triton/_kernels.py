@@ -25,6 +25,13 @@ split in registers. (Triton's own tf32x3 splits every operand in registers, whic
 The forward's V comes transposed (see _load_value_parts); the backward can accumulate its gradients
 transposed (attn_bwd's TRANSPOSED_GRADS), for the same reason.
 
+Grouped-query attention: K and V have heads // group heads, and query head h reads K/V head h // group.
+group is a runtime integer: Triton specializes an argument of 1 as a constant, so attention with as many
+K/V heads as query heads compiles to the kernels it had before. The forward reads K and V in place. The
+backward keeps one program per (tile, query head), its work balanced as without groups, and writes dK and
+dV per query head into (Z, H, Tk, d) tensors (FlashAttention-2's "expanded" gradients), which the host sums
+over each group: no atomics, and no program walks a whole group's rows.
+
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
 and the masked ones after, and causal tiles that are fully masked are never visited. Ragged query
@@ -37,6 +44,11 @@ Every loop visits only the tiles that meet the band (_band_segments): masked til
 upper edges, unmasked ones between them. A band's edge tile may hold no key of some of its rows, so
 its online softmax keeps m = -inf for such rows and subtracts 0 instead; a row that sees no key at
 all (possible only where Tq != Tk) gets O = 0 and L = -inf.
+
+Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Philox at counters derived
+from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 4 adjacent
+keys), in the forward and again in the backward; nothing is stored. A row's counters are those of its
+query head (z, h), with or without groups.
 """
 
 from __future__ import annotations
@@ -231,17 +243,46 @@ def _band_segments(start, size, before, after, length, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rng_state(Rng, DROPOUT: tl.constexpr):
+    """Dropout's (seed, offset) from Rng, _dropout.draw_rng's int64 (2,) on the device (read here, never on
+    the host: a CUDA graph replays the draw); zeros without DROPOUT, where Rng may be None."""
+    if DROPOUT:
+        seed = tl.load(Rng)
+        offset = tl.load(Rng + 1)
+    else:
+        seed = 0
+        offset = 0
+    return seed, offset
+
+
+@triton.jit
+def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
+    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4) dropout keeps,
+    (R, BLOCK_N), in the R rows whose key 0 takes its number from the Philox call at row_calls ((R,) int64,
+    the offset included): key j takes output j % 4 of the call at row_calls + j // 4 (tl.randint4x), and is
+    kept iff that number is at least threshold (< 2**32). The mapping of _dropout, whose PyTorch path drops
+    the same probabilities; the feature kernels draw theirs here too."""
+    calls = row_calls[:, None] + (start_n // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, calls)
+    numbers = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0, r1, r2, r3 per call
+    # An i32 threshold (p < 0.5) compares as uint32, an i64 one widens the numbers: both unsigned-exact.
+    return numbers >= threshold
+
+
+@triton.jit
 def _fwd_key_tiles(
-    acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr, seed, row_calls,
+    dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key tiles [lo, hi); masks only when CAUSAL_MASK / KEY_MASK / BAND_MASK
-    say so."""
+    """Online softmax over the key tiles [lo, hi) of K/V head h_kv; masks only when CAUSAL_MASK / KEY_MASK
+    / BAND_MASK say so. Under DROPOUT, P V takes P times the kept mask / (1 - p) (kept, from the rows'
+    row_calls), while l sums P undropped: L stays the softmax's logsumexp."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         if CAUSAL_MASK or KEY_MASK or BAND_MASK:
             visible = _visible(offs_m, start_n + offs_n, seqlen_k, CAUSAL_MASK, KEY_MASK, window_left,
@@ -263,7 +304,9 @@ def _fwd_key_tiles(
             p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v, v_low = _load_value_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        if DROPOUT:
+            p = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), p * dropout_scale, 0.0)
+        v, v_low = _load_value_parts(v_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
         acc = _dot(p, p_low, v, v_low, acc * alpha[:, None], INPUT_PRECISION)
         m_i = m_new
@@ -272,14 +315,21 @@ def _fwd_key_tiles(
 
 @triton.jit(do_not_specialize=_WINDOW)
 def attn_fwd(
-    Q, K, V, Out, L, Partials, batch, heads, seqlen_q, seqlen_k, head_dim, qk_scale,
+    Q, K, V, Out, L, Partials, batch, heads, group, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
+    Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """One program per (query tile, z*h): O and L for BLOCK_M query rows. Grid: (tiles * Z * H,).
+    """One program per (query tile, z*h): O and L for BLOCK_M query rows, against K/V head h // group.
+    Grid: (tiles * Z * H,).
     Under SPLIT_KV, grid (tiles * Z * H, splits): program (i, s) walks the s-th share of the key tiles
-    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh. BAND (not with
-    CAUSAL, which it includes as window_right = 0): the band of the module docstring."""
+    and stores its partial O and log2-sum-exp in Partials for attn_fwd_combine to weigh (dropout, applied
+    to P before P V, leaves them weighable as they are). BAND (not with CAUSAL, which it includes as
+    window_right = 0): the band of the module docstring.
+
+    DROPOUT drops probabilities as _dropout says (Rng: its (seed, offset) tensor; the probability kept iff
+    its Philox number >= dropout_threshold, then scaled by dropout_scale = 1 / (1 - p)): the counters of
+    row (z, h, i) start at offset + ((z * H + h) * Tq + i) * ceil(Tk / 4), those of Dropout.dense."""
     tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
@@ -289,14 +339,18 @@ def attn_fwd(
         tile = num_tiles - 1 - tile
     z = bh // heads
     h = bh % heads
+    h_kv = h // group  # the K/V head of this query head's group
+    kv_heads = heads // group
     q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-    k_desc = _input_descriptor(K, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-    v_desc = _value_descriptor(V, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+    k_desc = _input_descriptor(K, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+    v_desc = _value_descriptor(V, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
     if not SPLIT_KV:
         o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+    seed, rng_offset = _rng_state(Rng, DROPOUT)
+    row_calls = rng_offset + (bh.to(tl.int64) * seqlen_q + offs_m) * tl.cdiv(seqlen_k, 4)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -328,19 +382,22 @@ def attn_fwd(
         start_n += split * unmasked_tiles // splits * BLOCK_N
         masked_end = tl.where(last, masked_end, unmasked_end)
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, start_n, unmasked_end, seqlen_k,
-        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION, window_left, window_right, False,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, start_n, unmasked_end, seqlen_k,
+        qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION, window_left, window_right, False, seed,
+        row_calls, dropout_threshold, dropout_scale, DROPOUT,
     )  # fmt: skip
     if BAND:
         acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, band_start, band_end, seqlen_k,
-            qk_scale, BLOCK_N, BLOCK_D, False, True, INPUT_PRECISION, window_left, window_right, True,
+            acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, band_start, band_end,
+            seqlen_k, qk_scale, BLOCK_N, BLOCK_D, False, True, INPUT_PRECISION, window_left, window_right,
+            True, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT,
         )  # fmt: skip
     # The causal diagonal (a band's upper edge) and the ragged end of the keys (empty for non-causal with
     # full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
-        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h, offs_m, unmasked_end, masked_end, seqlen_k,
-        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION, window_left, window_right, BAND,
+        acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, unmasked_end, masked_end, seqlen_k,
+        qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION, window_left, window_right, BAND, seed,
+        row_calls, dropout_threshold, dropout_scale, DROPOUT,
     )  # fmt: skip
 
     if SPLIT_KV:
@@ -447,12 +504,15 @@ def _bwd_query_tiles(
     dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANSPOSED_GRADS: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr,
+    TRANSPOSED_GRADS: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr, seed, head_calls,
+    calls_per_row, key_start, dropout_threshold, dropout_scale, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of one key tile, accumulated over the query tiles [lo, hi) (transposed scores); with
     ATOMIC_DQ also this tile's share of dQ (dS K_dq, with K_dq = scale * K; under tf32x3 K_dq = K and the
     share is scaled), added atomically to a float32 buffer padded to whole tiles. With TRANSPOSED_GRADS
-    dk and dv hold dKᵀ and dVᵀ (see attn_bwd). CAUSAL_MASK or BAND_MASK (at most one) mask the scores."""
+    dk and dv hold dKᵀ and dVᵀ (see attn_bwd). CAUSAL_MASK or BAND_MASK (at most one) mask the scores.
+    Under DROPOUT the forward's mask M again (row i's counters at head_calls + i * calls_per_row, key_start
+    the tile's first key): dV += (P∘M)ᵀ dO / (1 - p) and dS = P∘(M∘dP / (1 - p) - D)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -474,7 +534,12 @@ def _bwd_query_tiles(
         elif CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         do, do_low = _load_parts(do_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-        p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
+        if DROPOUT:
+            row_calls = head_calls + rows.to(tl.int64) * calls_per_row
+            keep_t = tl.trans(kept(seed, row_calls, key_start, dropout_threshold, BLOCK_N))
+            p_high, p_low = _split(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), INPUT_PRECISION)
+        else:
+            p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dVᵀ += dOᵀ P
             do_t, do_t_low = _split(tl.trans(_whole(do, do_low, INPUT_PRECISION)), INPUT_PRECISION)
             dv = _dot(do_t, do_t_low, tl.trans(p_high), tl.trans(p_low), dv, INPUT_PRECISION)
@@ -482,6 +547,8 @@ def _bwd_query_tiles(
             dv = _dot(p_high, p_low, do, do_low, dv, INPUT_PRECISION)
         delta = _row_delta(delta_src, do, z, h, start_m, seqlen_q, BLOCK_M, BLOCK_D, ROW_MASK, DELTA_FROM_O)
         dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
+        if DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dKᵀ += Qᵀ dS
             q_t, q_t_low = _split(tl.trans(q_whole), INPUT_PRECISION)
@@ -498,19 +565,21 @@ def _bwd_query_tiles(
 
 @triton.jit
 def _bwd_key_tiles(
-    dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h, offs_m, lo, hi, seqlen_k, qk_scale,
+    dq, q, q_low, do, do_low, l2, delta, k_desc, v_desc, z, batch, h_kv, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TRANSPOSED_GRADS: tl.constexpr, window_left, window_right,
-    BAND_MASK: tl.constexpr,
+    BAND_MASK: tl.constexpr, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi)."""
+    """dQ of one query tile (dQᵀ with TRANSPOSED_GRADS), accumulated over the key tiles [lo, hi) of K/V
+    head h_kv; under DROPOUT with dS = P∘(M∘dP / (1 - p) - D), M the forward's mask (rows' counters from
+    row_calls)."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k, k_low = _load_parts(k_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         if TRANSPOSED_GRADS:
             k_whole = _whole(k, k_low, INPUT_PRECISION)
-        v, v_low = _load_parts(v_desc, z, batch, h, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_parts(v_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         qk = _dot(q, q_low, tl.trans(k), tl.trans(k_low), None, INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - l2[:, None])
         if CAUSAL_MASK or KEY_MASK or BAND_MASK:
@@ -518,6 +587,8 @@ def _bwd_key_tiles(
                                window_right, BAND_MASK)  # fmt: skip
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), dp * dropout_scale, 0.0)
         ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dQᵀ += Kᵀ dSᵀ
             k_t, k_t_low = _split(tl.trans(k_whole), INPUT_PRECISION)
@@ -530,16 +601,20 @@ def _bwd_key_tiles(
 @triton.jit(do_not_specialize=_WINDOW)
 def attn_bwd(
     Q_S, DO_S, K_S, V_S, Q_T, DO_T, K_T, V_T, DQ, DK, DV, L, Delta, O_S, O_T, DQ_ACC,
-    batch, heads, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
+    batch, heads, group, seqlen_q, seqlen_k, head_dim, dq_acc_rows, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
+    Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
     through the keys BLOCK_M at a time; no T x T tensor. Under causal masking key tile i has the most
     work when i is small and query tile i when i is large, so every program does about the same work.
     Grid: (max(key tiles, query tiles) * Z * H,).
+
+    Programs are per query head h, reading K/V head h // group: DK and DV are (Z, H, Tk, d), each query
+    head's share of its K/V head's gradients, for the host to sum over the group.
 
     With ATOMIC_DQ the dK/dV loop also adds each (already scaled) dQ share into DQ_ACC (float32,
     zeroed, (Z, H, dq_acc_rows, BLOCK_D), dq_acc_rows a multiple of BLOCK_M >= seqlen_q) and the dQ
@@ -569,6 +644,9 @@ def attn_bwd(
     query rows [start - window_right, start + BLOCK_N - 1 + window_left], query tile [start, start +
     BLOCK_N) the keys [start - window_left, start + BLOCK_N - 1 + window_right]: the loops visit only
     those tiles, masked at the band's edges.
+
+    DROPOUT regenerates the forward's mask (attn_fwd's arguments and counters). D = rowsum(dO * O) holds
+    as it is: O is the dropped output, and sum_j P_ij M_ij dP_ij / (1 - p) = dO_i . O_i.
     """
     tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
     if ATOMIC_DQ or PHASE == "dkdv":
@@ -584,8 +662,13 @@ def attn_bwd(
     bh = pid // num_tiles
     z = bh // heads
     h = bh % heads
+    h_kv = h // group  # the K/V head of this query head's group
+    kv_heads = heads // group
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
+    seed, rng_offset = _rng_state(Rng, DROPOUT)
+    calls_per_row = tl.cdiv(seqlen_k, 4)
+    head_calls = rng_offset + bh.to(tl.int64) * seqlen_q * calls_per_row
     if DELTA_FROM_O:
         delta_step = _descriptor(O_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
         delta_own = _descriptor(O_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
@@ -597,10 +680,10 @@ def attn_bwd(
 
     if PHASE != "dq" and start < seqlen_k:
         offs_n = start + tl.arange(0, BLOCK_N)
-        k_own = _input_descriptor(K_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        v_own = _input_descriptor(V_T, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        k, k_low = _load_parts(k_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        v, v_low = _load_parts(v_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k_own = _input_descriptor(K_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v_own = _input_descriptor(V_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k, k_low = _load_parts(k_own, z, batch, h_kv, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v, v_low = _load_parts(v_own, z, batch, h_kv, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         if ATOMIC_DQ and INPUT_PRECISION != "tf32x3":
             # The softmax scale of dQ, folded into its keys once instead of into every share.
             k_dq = (k.to(tl.float32) * scale).to(k.dtype)
@@ -627,26 +710,30 @@ def attn_bwd(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, first, last, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
                 CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS, window_left,
-                window_right, BAND,
+                window_right, BAND, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
+                BLOCK_N, DROPOUT,
             )  # fmt: skip
         elif BAND:  # the unmasked query tiles, then the band's edges (either may hold the ragged last tile)
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, unmasked_start, unmasked_end, seqlen_q, qk_scale, scale,
                 BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
-                window_right, False,
+                window_right, False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
+                BLOCK_N, DROPOUT,
             )  # fmt: skip
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, first, unmasked_start, seqlen_q, qk_scale, scale, BLOCK_M,
                 BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
-                window_right, True,
+                window_right, True, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
+                BLOCK_N, DROPOUT,
             )  # fmt: skip
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, unmasked_end, last, seqlen_q, qk_scale, scale, BLOCK_M,
                 BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
-                window_right, True,
+                window_right, True, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
+                BLOCK_N, DROPOUT,
             )  # fmt: skip
         else:
             full_end = (seqlen_q // BLOCK_M) * BLOCK_M
@@ -657,7 +744,8 @@ def attn_bwd(
                     dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                     DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
                     qk_scale, scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                    False, window_left, window_right, False,
+                    False, window_left, window_right, False, seed, head_calls, calls_per_row, start,
+                    dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
                 )  # fmt: skip
                 unmasked_start = diagonal_end
             else:
@@ -666,14 +754,16 @@ def attn_bwd(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M,
                 BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
-                window_right, False,
+                window_right, False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
+                BLOCK_N, DROPOUT,
             )  # fmt: skip
             # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
                 DQ_ACC, dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q,
                 qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                False, window_left, window_right, False,
+                False, window_left, window_right, False, seed, head_calls, calls_per_row, start,
+                dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
         if TRANSPOSED_GRADS:
             dk = tl.trans(dk)
@@ -698,10 +788,11 @@ def attn_bwd(
                 dq = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
             else:
                 dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            k_step = _input_descriptor(K_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
+            k_step = _input_descriptor(K_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
-            v_step = _input_descriptor(V_S, batch, heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
+            v_step = _input_descriptor(V_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
                                        INPUT_PRECISION)  # fmt: skip
+            row_calls = head_calls + offs_m.to(tl.int64) * calls_per_row
             # The keys [band_start, masked_end) meet these queries: unmasked in [unmasked_start,
             # unmasked_end), masked below it (a band's lower edge) and above (the diagonal, the ragged end).
             band_start = 0
@@ -717,26 +808,30 @@ def attn_bwd(
                 masked_end = seqlen_k
             if TRANSPOSED_GRADS:  # one loop, as for dK and dV
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, band_start,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m, band_start,
                     masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION,
-                    TRANSPOSED_GRADS, window_left, window_right, BAND,
+                    TRANSPOSED_GRADS, window_left, window_right, BAND, seed, row_calls, dropout_threshold,
+                    dropout_scale, DROPOUT,
                 )  # fmt: skip
             else:
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_start,
-                    unmasked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False, INPUT_PRECISION, False,
-                    window_left, window_right, False,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m,
+                    unmasked_start, unmasked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, False,
+                    INPUT_PRECISION, False, window_left, window_right, False, seed, row_calls,
+                    dropout_threshold, dropout_scale, DROPOUT,
                 )  # fmt: skip
                 if BAND:
                     dq = _bwd_key_tiles(
-                        dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, band_start,
-                        unmasked_start, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, True, INPUT_PRECISION,
-                        False, window_left, window_right, True,
+                        dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m,
+                        band_start, unmasked_start, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, False, True,
+                        INPUT_PRECISION, False, window_left, window_right, True, seed, row_calls,
+                        dropout_threshold, dropout_scale, DROPOUT,
                     )  # fmt: skip
                 dq = _bwd_key_tiles(
-                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h, offs_m, unmasked_end,
+                    dq, q, q_low, do, do_low, l2, delta, k_step, v_step, z, batch, h_kv, offs_m, unmasked_end,
                     masked_end, seqlen_k, qk_scale, BLOCK_M, BLOCK_D, CAUSAL, True, INPUT_PRECISION, False,
-                    window_left, window_right, BAND,
+                    window_left, window_right, BAND, seed, row_calls, dropout_threshold, dropout_scale,
+                    DROPOUT,
                 )  # fmt: skip
             if TRANSPOSED_GRADS:
                 dq = tl.trans(dq)

@@ -65,7 +65,9 @@ class Problem:
     head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
     layout (_hopper.supports); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
     must be bitwise repeatable (no atomic dQ); band_span: under a band (a sliding window), the keys a
-    query row's band spans, at most seqlen_k (0: no band)."""
+    query row's band spans, at most seqlen_k (0: no band); dropout: the pass drops probabilities (the
+    Gluon kernels do not); group: query heads per K/V head (grouped-query attention above 1; batch_heads
+    counts query heads)."""
 
     pass_name: str
     batch_heads: int
@@ -80,6 +82,8 @@ class Problem:
     hopper: bool = False
     deterministic: bool = False
     band_span: int = 0
+    dropout: bool = False
+    group: int = 1
 
     @property
     def small(self) -> bool:
@@ -97,17 +101,22 @@ class Problem:
     def size_key(self) -> tuple:
         """What a tuned choice is kept by: everything candidates() reads, lengths, heads and a band's span
         by size class (the span sets how many key tiles a query tile walks, and how many of them are
-        masked edges: a window of 128 and one of 4096 favor different tiles)."""
+        masked edges: a window of 128 and one of 4096 favor different tiles), and the group by size class:
+        a group's query heads read one K/V head, whose tiles then come from L2 more often than from memory,
+        and the backward sums their dK and dV after, so the fastest config of a grouped problem need not be
+        that of one without groups."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
-                self.uses_hopper, self.deterministic,
-                self.band_span and size_class(self.band_span))  # fmt: skip
+                size_class(self.group), self.uses_hopper, self.deterministic,
+                self.band_span and size_class(self.band_span), self.dropout)  # fmt: skip
 
     @property
     def uses_hopper(self) -> bool:
-        """Whether the Gluon kernels are among the candidates (never for a band, which they lack)."""
-        return (self.hopper and not self.small and not (self.deterministic and self.pass_name == "bwd")
-                and not self.band_span)  # fmt: skip
+        """Whether the Gluon kernels are among the candidates: never for a band or dropout, which they
+        lack, nor for grouped-query attention (they read K and V of the query's own heads)."""
+        return (self.hopper and self.group == 1 and not self.small
+                and not (self.deterministic and self.pass_name == "bwd")
+                and not self.band_span and not self.dropout)  # fmt: skip
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
@@ -116,8 +125,10 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
     table = forward_candidates if problem.pass_name == "fwd" else backward_candidates
     listed: list = table(problem.block_d, problem.element_size, problem.interpret)
     seqlen_class = size_class(max(problem.seqlen_q, problem.seqlen_k))
-    if problem.pass_name == "bwd" and (problem.small or problem.deterministic):
+    if problem.pass_name == "bwd" and (problem.small and not problem.dropout or problem.deterministic):
         # Host-bound problems skip the atomic dQ (see SMALL_PROBLEM_WORK); a deterministic backward must.
+        # With dropout the tuner may still pick it: it draws each tile's mask once, where the one-launch
+        # and split backwards draw it for dK/dV and again for dQ (decisions.md#dropout-tuned-kernels).
         exact = [c for c in listed if not c.atomic_dq]
         if exact or problem.deterministic:
             listed = exact or [dataclasses.replace(listed[0], atomic_dq=False)]

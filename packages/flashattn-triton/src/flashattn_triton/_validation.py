@@ -71,19 +71,24 @@ def _check_flag(name: str, value: object) -> None:
 
 
 def check_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+    enable_gqa: bool = False,
 ) -> float:
-    """Validate q (..., Tq, d), k and v (..., Tk, d) with q's leading dims (the assignment's Functions);
-    return the softmax scale (default 1/sqrt(d))."""
+    """Validate q (..., Tq, d), k and v (..., Tk, d) with q's leading dims (the assignment's Functions), or
+    with enable_gqa q (..., Hq, Tq, d), k and v (..., Hkv, Tk, d) with Hkv dividing Hq; return the softmax
+    scale (default 1/sqrt(d))."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3, "(..., T, d)")
     _check_like(("q", "k", "v"), q, k, v)
+    lead = -3 if enable_gqa else -2  # the dims that must be q's: before the heads under enable_gqa
     for name, t in (("k", k), ("v", v)):
-        if t.shape[:-2] != q.shape[:-2]:
+        if t.shape[:lead] != q.shape[:lead]:
             raise ValueError(
-                f"{name}'s batch/head dims {tuple(t.shape[:-2])} differ from q's {tuple(q.shape[:-2])} "
+                f"{name}'s batch/head dims {tuple(t.shape[:lead])} differ from q's {tuple(q.shape[:lead])} "
                 f"(q {tuple(q.shape)}, {name} {tuple(t.shape)}); they must be equal"
             )
+    if enable_gqa:
+        _check_heads(("q", "k", "v"), q, k, v, True, -3)
     _check_keys(("k", "v"), k, v)
     if q.shape[-1] == 0:
         raise ValueError(f"head dim 0 is not supported (q of shape {tuple(q.shape)})")

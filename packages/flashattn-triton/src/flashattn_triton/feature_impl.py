@@ -1,6 +1,6 @@
 """Launchers of the feature kernels (_feature_kernels): the Triton path of every problem the tuned kernels
-do not take (grouped-query attention, bands other than top-left causal, masks, dropout, packed sequences,
-a gradient through the log-sum-exp). Same arguments and results as torch_impl.attention_forward and
+do not take (bands other than top-left causal, masks, dropout, packed sequences, each also with
+grouped-query attention). Same arguments and results as torch_impl.attention_forward and
 attention_backward; the backward is deterministic (no atomics).
 
 Triton is imported on first use. Tile shapes follow the head dim and dtype (no tuning: these launches
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton._dropout import check_rng, threshold
+from flashattn_triton._dropout import Dropout, check_rng, threshold
 from flashattn_triton._validation import UNBOUNDED
 
 
@@ -150,12 +150,12 @@ def _problem(
     varlen = cu_seqlens_q is not None
     if varlen:
         batch, heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
-        seqlen_q, seqlen_k, total_q = max_seqlen_q, max_seqlen_k, q.shape[0]
-        drop_strides = (0, total_q * seqlen_k, seqlen_k)  # counters of (Hq, total_q, max_seqlen_k)
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        counters = Dropout.packed(dropout_p, rng_state, q.shape[0], seqlen_k)
     else:
         batch, heads, seqlen_q = q.shape[:3]
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
-        drop_strides = (heads * seqlen_q * seqlen_k, seqlen_q * seqlen_k, seqlen_k)
+        counters = Dropout.dense(dropout_p, rng_state, heads, seqlen_q, seqlen_k)
     if attn_mask is None:  # a stand-in that is never read (MASK = 0)
         mask, mask_strides, mask_kind = q, (0, 0, 0, 0), 0
     else:
@@ -167,7 +167,8 @@ def _problem(
     head_dim = q.shape[-1]
     shared = (seqlen_q, seqlen_k, head_dim)
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
-    dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), *drop_strides)
+    dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), counters.stride_b, counters.stride_h,
+               counters.stride_i)  # fmt: skip
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     constants = {
         "BLOCK_D": block_d,

@@ -41,9 +41,9 @@ for callers who use it. ``deterministic``: bitwise repeatable gradients (no atom
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention, for top-left bands (sliding windows) with Tq = Tk, for grouped-query attention without
-mask or band (its groups stacked along T) and for causal grouped-query attention (K and V repeated per
-query head), and for everything else the feature kernels (feature_impl, whose backward has no atomics).
+causal attention and for top-left bands (sliding windows) with Tq = Tk, each grouped-query or not (query
+head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for everything else the
+feature kernels (feature_impl, whose backward has no atomics).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
@@ -100,28 +100,21 @@ def uses_triton(device: torch.device) -> bool:
 
 def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
-    (triton_impl's tuned kernels) for plain or top-left causal attention, and for a top-left band (a
-    sliding window, _window) where Tq = Tk, with as many K/V heads as query heads; "stacked" (the tuned
-    kernels too) for grouped-query attention without mask or band, whose group's query heads are rows of
-    one query sequence (_stacked); "repeated" (the tuned kernels on K and V repeated per query head, dK and
-    dV summed over each group) for causal grouped-query attention, where stacking would move the diagonal;
-    "features" (feature_impl) for every other problem."""
+    (triton_impl's tuned kernels) for plain or top-left causal attention and for a top-left band (a
+    sliding window, _window) where Tq = Tk, grouped-query or not, with or without dropout (a band's mask,
+    dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
+    row's dropout counters are its query head's, as in the PyTorch path); "features" (feature_impl) for
+    every other problem (a mask, packed sequences, a bottom-right band)."""
     if not uses_triton(q.device):
         return "torch"
+    if options["attn_mask"] is not None or options["cu_seqlens_q"] is not None:
+        return "features"
     window_right, offset = options["window_right"], options["diagonal_offset"]
-    no_mask = options["attn_mask"] is None and options["dropout_p"] == 0.0 and options["cu_seqlens_q"] is None
-    plain = no_mask and options["window_left"] == UNBOUNDED
     causal = window_right == 0 and offset == 0
-    same_heads = q.shape[1] == k.shape[1]
-    if plain and same_heads and (window_right == UNBOUNDED or causal):
+    if options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal):
         return "tuned"
-    if no_mask and same_heads and offset == 0 and q.shape[2] == k.shape[2]:  # a band
-        return "tuned"
-    if plain and window_right == UNBOUNDED and q.stride(1) == q.shape[2] * q.stride(2):
-        return "stacked"
-    if plain and causal:
-        return "repeated"
-    return "features"
+    band = offset == 0 and q.shape[2] == k.shape[2]
+    return "tuned" if band else "features"
 
 
 def _window(options: dict[str, Any]) -> tuple[int, int] | None:
@@ -129,28 +122,6 @@ def _window(options: dict[str, Any]) -> tuple[int, int] | None:
     None where the problem is plain or causal (window_right = 0 is the causal flag they get)."""
     left, right = options["window_left"], options["window_right"]
     return (left, right) if left != UNBOUNDED or right > 0 else None
-
-
-def _stacked(x: Tensor, kv_heads: int) -> Tensor:
-    """(B, Hq, T, ...) as (B, Hkv, Hq / Hkv * T, ...): each group's query heads one after another along T.
-    Without a mask or band a query row's result does not depend on its position, so the tuned kernels
-    compute grouped-query attention on these against K and V as they are, and their dK, dV sum over the
-    group's rows: over its heads. A view where the strides allow (q's, checked by _path), else a copy."""
-    batch, heads, seqlen, *rest = x.shape
-    return x.reshape(batch, kv_heads, heads // kv_heads * seqlen, *rest)
-
-
-def _repeated(x: Tensor, heads: int) -> Tensor:
-    """(B, Hkv, T, d) K or V as (B, Hq, T, d): query head h's copy of K/V head h // (Hq / Hkv)."""
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _group_sums(grad: Tensor, kv_heads: int) -> Tensor:
-    """dK or dV of repeated K/V, (B, Hq, T, d), summed over each group's copies (in float32) to
-    (B, Hkv, T, d)."""
-    batch, heads, *rest = grad.shape
-    grouped = grad.view(batch, kv_heads, heads // kv_heads, *rest)
-    return grouped.sum(2, dtype=torch.float32).to(grad.dtype)
 
 
 def _check_triton_inputs(q: Tensor) -> None:
@@ -172,13 +143,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path == "torch":
         return torch_impl.attention_forward(q, k, v, **options)
     if path == "tuned":
-        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options))
-    if path == "stacked":
-        out, lse = triton_impl.triton_forward(_stacked(q, k.shape[1]), k, v, False, scale)
-        return out.view(q.shape), lse.view(q.shape[:-1])
-    if path == "repeated":
-        heads = q.shape[1]
-        return triton_impl.triton_forward(q, _repeated(k, heads), _repeated(v, heads), True, scale)
+        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
+                                          dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -200,23 +166,8 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     if path == "tuned":
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
-                                           share_allocation=False, window=_window(options))  # fmt: skip
-    if path == "stacked":
-        kv_heads = k.shape[1]
-        stacked_grad_lse = None if grad_lse is None else _stacked(grad_lse, kv_heads)
-        dq, dk, dv = triton_impl.triton_backward(
-            _stacked(q, kv_heads), k, v, _stacked(out, kv_heads), _stacked(lse, kv_heads),
-            _stacked(grad_out, kv_heads), False, scale, grad_lse=stacked_grad_lse,
-            deterministic=deterministic, share_allocation=False,
-        )  # fmt: skip
-        return dq.view(q.shape), dk, dv
-    if path == "repeated":  # the repeats are made again rather than saved: memory over a copy's time
-        heads, kv_heads = q.shape[1], k.shape[1]
-        dq, dk, dv = triton_impl.triton_backward(
-            q, _repeated(k, heads), _repeated(v, heads), out, lse, grad_out, True, scale, grad_lse=grad_lse,
-            deterministic=deterministic, share_allocation=False,
-        )
-        return dq, _group_sums(dk, kv_heads), _group_sums(dv, kv_heads)
+                                           share_allocation=False, window=_window(options),
+                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 

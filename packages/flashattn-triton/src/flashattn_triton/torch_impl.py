@@ -352,15 +352,14 @@ def _sequence(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
 def _varlen_problem(q: torch.Tensor, k: torch.Tensor, sequence: tuple[int, int, int, int], band: Band,
                     dropout_p: float, rng_state: torch.Tensor | None,
                     max_seqlen_k: int) -> _Problem:  # fmt: skip
-    """One sequence's problem. Its dropout counters are those of (Hq, total_q, max_seqlen_k): of query head
-    h, packed row r and key j, h * total_q * max_seqlen_k + r * max_seqlen_k + j."""
+    """One sequence's problem. Its dropout counters are those of a (1, Hq, total_q, max_seqlen_k) problem
+    (Dropout.packed): of query head h, packed row r and key j."""
     q_start, q_end, k_start, k_end = sequence
     q_seq, k_seq = _sequence(q, q_start, q_end), _sequence(k, k_start, k_end)
     dropout = None
     if dropout_p > 0.0:
         check_rng(dropout_p, rng_state)
-        dropout = Dropout(dropout_p, rng_state, 0, q.shape[0] * max_seqlen_k, max_seqlen_k,
-                          q_start * max_seqlen_k)  # fmt: skip
+        dropout = Dropout.packed(dropout_p, rng_state, q.shape[0], max_seqlen_k, q_start)
     return _Problem(q_seq, k_seq, None, band, dropout)
 
 

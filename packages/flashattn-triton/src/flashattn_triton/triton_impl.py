@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 from flashattn_triton import _hopper, _inputs, _launcher
 from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch, smaller
+from flashattn_triton._dropout import check_rng, threshold
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
 from flashattn_triton._planning import Problem, candidates, is_small_problem
@@ -101,40 +102,48 @@ _MAX_PLANS = 4096  # a process seeing ever new lengths starts over rather than g
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
           scale: float | None, config: Any, deterministic: bool = False, grad_lse: bool = False,
-          band: Band | None = None) -> _Plan:  # fmt: skip
+          band: Band | None = None, dropout_p: float = 0.0, grouped: bool = False) -> _Plan:  # fmt: skip
     """The plan of this call's layout: created, not yet run, on the first call with it (the forward's
     after checking its inputs). tensors starts with q and k (and v); grad_lse: whether the backward gets
-    a gradient of L; band: _band's."""
+    a gradient of L; band: _band's. dropout_p is in the key as the scale is: its threshold and scale are
+    arguments that the JIT specializes (by their size), which a plan's direct launches must keep.
+    grouped: whether k and v may have fewer heads than q (checked with the inputs, so in the key:
+    FlashAttentionTriton's calls refuse what triton_forward's accept)."""
     try:
         precision = _inputs.input_precision(q.dtype)
         layouts = ((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
         key = (pass_name, is_causal, type(is_causal), scale, config, precision, deterministic, grad_lse, band,
-               *layouts)  # fmt: skip
+               dropout_p, grouped, *layouts)  # fmt: skip
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable scale: check_inputs says which
-        check_inputs(q, *tensors[1:3], is_causal, scale)
+        check_inputs(q, *tensors[1:3], is_causal, scale, enable_gqa=grouped)
         raise
     if plan is None:
         if pass_name == "fwd":
-            scale = check_inputs(q, *tensors[1:3], is_causal, scale)
+            scale = check_inputs(q, *tensors[1:3], is_causal, scale, enable_gqa=grouped)
             check_head_dim(q)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
         batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
+        heads, kv_heads = q.shape[-3], tensors[1].shape[-3]
+        group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
         # (small problems never run the Gluon kernels: their first call need not import Gluon)
         hopper = not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim) and _hopper.supports(
             pass_name, q, tensors, head_dim)  # fmt: skip
         problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                           _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
-                          deterministic, _band_span(band, seqlen_q, seqlen_k))  # fmt: skip
+                          deterministic, _band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
+                          group)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
             raise ValueError(
                 f"config {config}: the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a "
-                "multiple of 128, contiguous inputs, no window, on sm_90 with Gluon, above the small-problem "
-                f"size; not q {tuple(q.shape)} {q.dtype} on {q.device}"
+                "multiple of 128, as many K/V heads as query heads, contiguous inputs, no window, on sm_90 "
+                "with Gluon, above the small-problem size, without dropout; "
+                f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
                 + ("" if band is None else f" with window {band}")
+                + f" with dropout_p={dropout_p}" * (dropout_p > 0.0)
             )
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
@@ -147,17 +156,17 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
 
 def _backward_plan(forward_plan: _Plan | None, tensors: tuple[torch.Tensor, ...], is_causal: bool,
                    scale: float, config: BackwardConfig | None, deterministic: bool, grad_lse: bool,
-                   band: Band | None) -> _Plan:  # fmt: skip
+                   band: Band | None, dropout_p: float) -> _Plan:  # fmt: skip
     """_plan of the backward, looked up through the forward's plan where there is one: the forward's
-    key already holds q, k and v (and the band), and out and lse follow from it (a small problem's host
-    time notices the lookup of five layouts)."""
+    key already holds q, k and v (and the band and dropout_p), and out and lse follow from it (a small
+    problem's host time notices the lookup of five layouts)."""
     q, grad_out = tensors[0], tensors[-1]
     if forward_plan is None or config is not None or grad_lse:
-        return _plan("bwd", q, tensors, is_causal, scale, config, deterministic, grad_lse, band)
+        return _plan("bwd", q, tensors, is_causal, scale, config, deterministic, grad_lse, band, dropout_p)
     key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _inputs.input_precision(q.dtype), deterministic)
     plan = forward_plan.backward_plans.get(key)
     if plan is None:
-        plan = _plan("bwd", q, tensors, is_causal, scale, None, deterministic, band=band)
+        plan = _plan("bwd", q, tensors, is_causal, scale, None, deterministic, band=band, dropout_p=dropout_p)
         forward_plan.backward_plans[key] = plan
     return plan
 
@@ -221,20 +230,36 @@ def _run(plan: _Plan, launcher: Callable[[Config], Launcher | LaunchPair], args:
 
 
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-                   config: ForwardConfig | None = None, *,
-                   window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   config: ForwardConfig | None = None, *, window: tuple[int, int] | None = None,
+                   dropout_p: float = 0.0,
+                   rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O is contiguous, L float32
-    of shape q.shape[:-1]. window=(left, right), -1 unbounded: query i sees keys i - left .. i + right
-    only (and right = 0 under is_causal), top-left aligned; a row that sees no key gets O 0, L -inf."""
-    out, lse, _ = _forward(q, k, v, is_causal, scale, config, _band(window, is_causal))
+    of shape q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than
+    q: grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
+    head h reading K/V head h // (Hq / Hkv). window=(left, right), -1 unbounded: query i sees keys
+    i - left .. i + right only (and right = 0 under is_causal), top-left aligned; a row that sees no key
+    gets O 0, L -inf. dropout_p > 0 drops probabilities as _dropout says, from rng_state
+    (_dropout.draw_rng's (seed, offset) on q's device; a row's counters are its query head's)."""
+    out, lse, _ = _forward(q, k, v, is_causal, scale, config, grouped=True, band=_band(window, is_causal),
+                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     return out, lse
 
 
+def _dropout_args(dropout_p: float, rng_state: torch.Tensor | None) -> dict[str, Any]:
+    """The kernels' dropout arguments (compiled out where DROPOUT is False)."""
+    return {"Rng": rng_state, "dropout_threshold": threshold(dropout_p),
+            "dropout_scale": 1.0 / (1.0 - dropout_p), "DROPOUT": dropout_p > 0.0}  # fmt: skip
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-             config: ForwardConfig | None,
-             band: Band | None = None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:  # fmt: skip
-    """triton_forward's (O, L) and the plan that made them (its scale is the one used)."""
-    plan = _plan("fwd", q, (q, k, v), is_causal, scale, config, band=band)  # (checks a layout's first inputs)
+             config: ForwardConfig | None, grouped: bool, band: Band | None = None, dropout_p: float = 0.0,
+             rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:  # fmt: skip
+    """triton_forward's (O, L) and the plan that made them (its scale is the one used); grouped: k and v
+    may have fewer heads than q."""
+    check_rng(dropout_p, rng_state)
+    # (_plan checks a layout's first inputs)
+    plan = _plan("fwd", q, (q, k, v), is_causal, scale, config, band=band, dropout_p=dropout_p,
+                 grouped=grouped)  # fmt: skip
     check_device(q)
     kernels = _launcher.kernels()
     scale = plan.scale
@@ -247,10 +272,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
+    group = plan.problem.group
     q_in, k_in = _kernel_inputs(plan, q4, k4)
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
     v_transposed = precision == "tf32x3"
     band_args = _kernel_band(band, seqlen_q, seqlen_k)
+    dropout = _dropout_args(dropout_p, rng_state)
 
     def launcher(c: ForwardConfig) -> Launcher | LaunchPair:
         query_tiles = -(-seqlen_q // c.block_m) * batch * heads
@@ -275,11 +302,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         main = {
             "Q": tiles(q_in, c.block_m, block_d, host), "K": tiles(k_in, c.block_n, block_d, host),
             "V": tiles(v_in, *v_tile, host), "Out": None if split else tiles(o4, c.block_m, block_d, host),
-            "L": lse, "Partials": partials, "batch": batch, "heads": heads, "seqlen_q": seqlen_q,
-            "seqlen_k": seqlen_k, "head_dim": head_dim, "qk_scale": scale * kernels.LOG2E,
-            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
+            "L": lse, "Partials": partials, "batch": batch, "heads": heads, "group": group,
+            "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "head_dim": head_dim,
+            "qk_scale": scale * kernels.LOG2E, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
             "CAUSAL": is_causal and band is None, "INPUT_PRECISION": precision, "SPLIT_KV": split,
-            **band_args,
+            **band_args, **dropout,
         }  # fmt: skip
         if not split:
             return main
@@ -302,29 +329,36 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     grad_out: torch.Tensor, is_causal: bool, scale: float,
                     config: BackwardConfig | None = None, *, grad_lse: torch.Tensor | None = None,
                     deterministic: bool = False, forward_plan: _Plan | None = None,
-                    share_allocation: bool = True,
-                    window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    share_allocation: bool = True, window: tuple[int, int] | None = None,
+                    dropout_p: float = 0.0,
+                    rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
-    problem is small), then dK/dV and dQ in one launch (two for a split config). grad_lse, the gradient of
-    L where it is used too, is subtracted from D (dS = P (dP - D + dL)); deterministic leaves out the
-    atomic dQ. forward_plan: the plan of the forward that made out and lse from these q, k, v, which keeps
-    this backward's plan for the layout of grad_out. share_allocation: dQ, dK, dV may be slices of one
-    allocation (not for a custom op, whose outputs must not alias one another). window: the forward's."""
+    problem is small), then dK/dV and dQ in one launch (two for a split config); with fewer K/V heads than
+    query heads (grouped-query attention), dK and dV per query head, summed over each group after.
+    grad_lse, the gradient of L where it is used too, is subtracted from D (dS = P (dP - D + dL));
+    deterministic leaves out the atomic dQ. forward_plan: the plan of the forward that made out and lse
+    from these q, k, v, which keeps this backward's plan for the layout of grad_out. share_allocation: dQ,
+    dK, dV may be slices of one allocation (not for a custom op, whose outputs must not alias one
+    another). window: the forward's; dropout_p and rng_state: the forward's, whose mask the kernels draw
+    again."""
+    check_rng(dropout_p, rng_state)
     kernels = _launcher.kernels()
     band = _band(window, is_causal)
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config, deterministic,
-                          grad_lse is not None, band)  # fmt: skip
+                          grad_lse is not None, band, dropout_p)  # fmt: skip
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
     precision, delta_from_o = plan.problem.precision, plan.delta_from_o
     q4, k4, v4, o4, do4 = _kernel_views(plan, (q, k, v, out, grad_out))
-    if share_allocation and q4.shape == k4.shape:  # an allocation is host time a small problem notices
-        dq4, dk4, dv4 = torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
-    else:
-        dq4, dk4, dv4 = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q4, k4, v4))
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
+    group = plan.problem.group
+    if share_allocation and q4.shape == k4.shape:  # an allocation is host time a small problem notices
+        dq4, dk4, dv4 = torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
+    else:  # dK and dV of each query head: K/V's heads under GQA until summed over the groups
+        dq4, dk4, dv4 = (torch.empty((batch, heads, *t.shape[2:]), dtype=t.dtype, device=t.device)
+                         for t in (q4, k4, v4))  # fmt: skip
     delta = None if delta_from_o else torch.empty_like(lse)
     q_in, do_in, k_in, v_in = _kernel_inputs(plan, q4, do4, k4, v4)
     # dQ of the atomic variant: a float32 sum, zeroed before each run (by the preprocess where there is
@@ -332,6 +366,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
     band_args = _kernel_band(band, seqlen_q, seqlen_k)
+    dropout = _dropout_args(dropout_p, rng_state)
 
     def launcher(c: BackwardConfig) -> Launcher | LaunchPair:
         key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
@@ -368,12 +403,12 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             "O_T": tiles(o4, own, block_d, host) if delta_from_o else None,
             # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
             "DQ_ACC": tiles(dq_acc, steps, block_d, host and q.is_cuda) if c.atomic_dq else None,
-            "batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+            "batch": batch, "heads": heads, "group": group, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
             "head_dim": head_dim, "dq_acc_rows": dq_acc_rows, "qk_scale": scale * kernels.LOG2E,
             "scale": scale, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
             "CAUSAL": is_causal and band is None, "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o,
             "INPUT_PRECISION": precision, "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase,
-            **band_args,
+            **band_args, **dropout,
         }  # fmt: skip
 
     def preprocess() -> None:  # D (less the gradient of L), and the atomic variant's dQ sum zeroed
@@ -398,10 +433,19 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         used = _run(plan, launcher, args, q.device, preprocess if delta is not None else None)
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
+    if group > 1:
+        dk4, dv4 = _group_sums(dk4, group), _group_sums(dv4, group)
     if plan.as_is:
         return dq4, dk4, dv4
     return tuple(g if g.shape == t.shape else g[..., : t.shape[-1]].reshape(t.shape).contiguous()
                  for g, t in zip((dq4, dk4, dv4), (q, k, v), strict=True))  # fmt: skip
+
+
+def _group_sums(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """dK or dV per query head, (Z, H, T, d), summed over each group of `group` heads to (Z, H / group, T,
+    d) (torch accumulates 16-bit sums in float32 and rounds once)."""
+    batch, heads, *rest = grad.shape
+    return grad.view(batch, heads // group, group, *rest).sum(2)
 
 
 class FlashAttentionTriton(AttentionFunction):
@@ -420,7 +464,7 @@ class FlashAttentionTriton(AttentionFunction):
         is_causal: bool = False,
         scale: float | None = None,
     ) -> torch.Tensor:
-        out, lse, plan = _forward(q, k, v, is_causal, scale, None)
+        out, lse, plan = _forward(q, k, v, is_causal, scale, None, grouped=False)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
         ctx.plan = plan
