@@ -218,9 +218,9 @@ def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch, lead
 
 
 def test_tuning_times_the_gpu_not_the_host():
-    """A call that spends 1 ms on the host before a ~µs kernel: do_bench (ordinary calls, as the tuner
-    timed before) measures the host's millisecond; gpu_milliseconds the kernel alone, so a host-bound
-    problem's configs are ranked by what they cost the GPU."""
+    """A call of two ~µs launches with 1 ms of host work between them (as a split forward has its partials
+    and second launch): do_bench (events around ordinary calls, as the tuner timed before) measures the
+    gap; gpu_milliseconds the kernels alone, so configs are ranked by what they cost the GPU."""
     import time
 
     from triton.testing import do_bench
@@ -228,6 +228,7 @@ def test_tuning_times_the_gpu_not_the_host():
     x = torch.ones(1024, device="cuda")
 
     def host_bound() -> None:
+        x.mul_(1.0)
         time.sleep(1e-3)
         x.mul_(1.0)
 

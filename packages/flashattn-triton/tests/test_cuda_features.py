@@ -67,12 +67,18 @@ def feature_kernels(args: OpArguments, grad_out: torch.Tensor) -> dict:
 
 
 def assert_close(got: dict, want: dict, dtype: torch.dtype, names: tuple[str, ...] = NAMES) -> None:
+    """Each output's max error relative to its reference's max |value|; a gradient's relative to at least a
+    tenth of the largest gradient's: dQ is exactly 0 where each query sees one key (dS = P (dP - D) = 0),
+    and rounding leaves ~1e-6 there, which relative to itself would read as 100%."""
+    gradients = [want[name].abs().max().item() for name in ("dq", "dk", "dv") if name in want]
+    gradient_floor = 0.1 * max(gradients, default=0.0)
     for name in names:
         unseen = want[name] == float("-inf")
         assert torch.equal(got[name] == float("-inf"), unseen), f"{name}: rows that see no key differ"
         g, w = got[name].double().masked_fill(unseen, 0), want[name].masked_fill(unseen, 0)
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
-        error = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
+        floor = gradient_floor if name in ("dq", "dk", "dv") else 0.0
+        error = (g - w).abs().max().item() / max(w.abs().max().item(), floor, 1e-6)
         assert error <= BOUNDS[dtype], f"{name} ({dtype}): max error {error:.2e} relative to max |reference|"
 
 

@@ -125,10 +125,8 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
     table = forward_candidates if problem.pass_name == "fwd" else backward_candidates
     listed: list = table(problem.block_d, problem.element_size, problem.interpret)
     seqlen_class = size_class(max(problem.seqlen_q, problem.seqlen_k))
-    if problem.pass_name == "bwd" and (problem.small and not problem.dropout or problem.deterministic):
+    if problem.pass_name == "bwd" and (problem.small or problem.deterministic):
         # Host-bound problems skip the atomic dQ (see SMALL_PROBLEM_WORK); a deterministic backward must.
-        # With dropout the tuner may still pick it: it draws each tile's mask once, where the one-launch
-        # and split backwards draw it for dK/dV and again for dQ (decisions.md#dropout-tuned-kernels).
         exact = [c for c in listed if not c.atomic_dq]
         if exact or problem.deterministic:
             listed = exact or [dataclasses.replace(listed[0], atomic_dq=False)]
