@@ -154,13 +154,19 @@ def test_varlen_matches_float64(dtype, options):
     assert_close(got, float64_torch_path(args, grad_out), dtype)
 
 
-def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_ones(monkeypatch):
+def recorded_routes(monkeypatch) -> list[str]:
+    """The forwards that flash_attention's calls reach, "feature_forward" or "triton_forward", in order."""
     calls = []
     for module, name in ((feature_impl, "feature_forward"), (triton_impl, "triton_forward")):
         original = getattr(module, name)
         monkeypatch.setattr(
             module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
         )
+    return calls
+
+
+def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_ones(monkeypatch):
+    calls = recorded_routes(monkeypatch)
     q, k, v, _ = qkv(1, 4, 2, 128, 128, 64, torch.bfloat16)
     mask = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()
     flash_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # a mask: the feature kernels
@@ -387,12 +393,7 @@ def test_one_compiled_kernel_serves_every_window(monkeypatch):
 
 
 def test_bands_route_to_the_tuned_kernels_only_where_they_apply(monkeypatch):
-    calls = []
-    for module, name in ((feature_impl, "feature_forward"), (triton_impl, "triton_forward")):
-        original = getattr(module, name)
-        monkeypatch.setattr(
-            module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
-        )
+    calls = recorded_routes(monkeypatch)
     q, k, v, _ = qkv(1, 4, 4, 256, 256, 64, torch.bfloat16)
     flash_attention(q, k, v, is_causal=True, window_size=(64, 0))
     flash_attention(q, k, v, window_size=(64, 32))
