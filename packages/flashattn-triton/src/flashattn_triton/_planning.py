@@ -8,6 +8,7 @@ problem's size class: problems of one class share their tuned choice (_tuning).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from flashattn_triton._configs import (
     forward_candidates,
     with_split_key_tiles,
 )
+from flashattn_triton._validation import UNBOUNDED, check_window
 
 # Problems below this much work (problem_work: T = 32768 at B * H = 1 and d <= 64) are host-bound or
 # close to it: a call's Python and launches take about as long as its kernels. Their backward adds dQ up
@@ -32,6 +34,41 @@ SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 # can pay ((100, 2048, 64) bf16 backward 0.61 -> 0.50 ms, (32, 2048, 64) 0.21 -> 0.19 ms;
 # decisions.md#many-heads-backward).
 SMALL_PROBLEM_TILES = 256
+
+Band = tuple[int, int]  # (window_left, window_right) of the kernels' BAND
+
+
+def band_of(window: object, is_causal: bool) -> Band | None:
+    """The band of triton_impl's window=(left, right), -1 unbounded (flash-attn's convention, checked here),
+    with right = 0 under is_causal: None where it is no band, or is_causal's mask alone (the kernels'
+    CAUSAL)."""
+    if window is None:
+        return None
+    left, right = check_window(window)
+    if is_causal:
+        right = 0
+    if left == UNBOUNDED and right == (0 if is_causal else UNBOUNDED):
+        return None
+    return left, right
+
+
+def kernel_band(band: Band | None, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
+    """The kernels' band arguments: an unbounded side (and one wider than the sequences) as the length
+    that reaches every key, so that the kernels only see small nonnegative integers."""
+    if band is None:
+        return {"window_left": 0, "window_right": 0, "BAND": False}
+    left, right = band
+    return {"window_left": seqlen_q if left == UNBOUNDED else min(left, seqlen_q),
+            "window_right": seqlen_k if right == UNBOUNDED else min(right, seqlen_k),
+            "BAND": True}  # fmt: skip
+
+
+def band_span(band: Band | None, seqlen_q: int, seqlen_k: int) -> int:
+    """Problem.band_span: the keys a query row's band spans (0 without a band)."""
+    if band is None:
+        return 0
+    bounds = kernel_band(band, seqlen_q, seqlen_k)
+    return min(bounds["window_left"] + bounds["window_right"] + 1, seqlen_k)
 
 
 def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:

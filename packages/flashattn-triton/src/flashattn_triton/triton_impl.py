@@ -25,46 +25,19 @@ from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch, 
 from flashattn_triton._dropout import check_rng, threshold
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
-from flashattn_triton._planning import Problem, candidates, is_small_problem
+from flashattn_triton._planning import (
+    Band,
+    Problem,
+    band_of,
+    band_span,
+    candidates,
+    is_small_problem,
+    kernel_band,
+)
 from flashattn_triton._tuning import TUNING
-from flashattn_triton._validation import UNBOUNDED, check_inputs, check_window
+from flashattn_triton._validation import check_inputs
 
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
-Band = tuple[int, int]  # (window_left, window_right) of the kernels' BAND
-
-
-def _band(window: object, is_causal: bool) -> Band | None:
-    """The band of a window (left, right), -1 unbounded (flash-attn's convention, checked here), with
-    right = 0 under is_causal: None where it is no band, or is_causal's mask alone (the kernels' CAUSAL)."""
-    if window is None:
-        return None
-    left, right = check_window(window)
-    if is_causal:
-        right = 0
-    if left == UNBOUNDED and right == (0 if is_causal else UNBOUNDED):
-        return None
-    return left, right
-
-
-def _kernel_band(band: Band | None, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
-    """The kernels' band arguments: an unbounded side (and one wider than the sequences) as the length
-    that reaches every key, so that the kernels only see small nonnegative integers."""
-    if band is None:
-        return {"window_left": 0, "window_right": 0, "BAND": False}
-    left, right = band
-    return {"window_left": seqlen_q if left == UNBOUNDED else min(left, seqlen_q),
-            "window_right": seqlen_k if right == UNBOUNDED else min(right, seqlen_k),
-            "BAND": True}  # fmt: skip
-
-
-def _band_span(band: Band | None, seqlen_q: int, seqlen_k: int) -> int:
-    """Problem.band_span: the keys a query row's band spans (0 without a band)."""
-    if band is None:
-        return 0
-    bounds = _kernel_band(band, seqlen_q, seqlen_k)
-    return min(bounds["window_left"] + bounds["window_right"] + 1, seqlen_k)
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -105,7 +78,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
           band: Band | None = None, dropout_p: float = 0.0, grouped: bool = False) -> _Plan:  # fmt: skip
     """The plan of this call's layout: created, not yet run, on the first call with it (the forward's
     after checking its inputs). tensors starts with q and k (and v); grad_lse: whether the backward gets
-    a gradient of L; band: _band's. dropout_p is in the key as the scale is: its threshold and scale are
+    a gradient of L; band: band_of's. dropout_p is in the key as the scale is: its threshold and scale are
     arguments that the JIT specializes (by their size), which a plan's direct launches must keep.
     grouped: whether k and v may have fewer heads than q (checked with the inputs, so in the key:
     FlashAttentionTriton's calls refuse what triton_forward's accept)."""
@@ -133,7 +106,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             pass_name, q, tensors, head_dim)  # fmt: skip
         problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                           _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
-                          deterministic, _band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
+                          deterministic, band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
                           group)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
@@ -240,7 +213,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     i - left .. i + right only (and right = 0 under is_causal), top-left aligned; a row that sees no key
     gets O 0, L -inf. dropout_p > 0 drops probabilities as _dropout says, from rng_state
     (_dropout.draw_rng's (seed, offset) on q's device; a row's counters are its query head's)."""
-    out, lse, _ = _forward(q, k, v, is_causal, scale, config, grouped=True, band=_band(window, is_causal),
+    out, lse, _ = _forward(q, k, v, is_causal, scale, config, grouped=True, band=band_of(window, is_causal),
                            dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     return out, lse
 
@@ -276,7 +249,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     q_in, k_in = _kernel_inputs(plan, q4, k4)
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
     v_transposed = precision == "tf32x3"
-    band_args = _kernel_band(band, seqlen_q, seqlen_k)
+    band_args = kernel_band(band, seqlen_q, seqlen_k)
     dropout = _dropout_args(dropout_p, rng_state)
 
     def launcher(c: ForwardConfig) -> Launcher | LaunchPair:
@@ -343,7 +316,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     again."""
     check_rng(dropout_p, rng_state)
     kernels = _launcher.kernels()
-    band = _band(window, is_causal)
+    band = band_of(window, is_causal)
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config, deterministic,
@@ -365,7 +338,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     # one), padded to whole tiles of up to 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
-    band_args = _kernel_band(band, seqlen_q, seqlen_k)
+    band_args = kernel_band(band, seqlen_q, seqlen_k)
     dropout = _dropout_args(dropout_p, rng_state)
 
     def launcher(c: BackwardConfig) -> Launcher | LaunchPair:
