@@ -219,11 +219,9 @@ def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch, lead
 
 def test_tuning_times_the_gpu_not_the_host():
     """A call of two ~µs launches with 1 ms of host work between them (as a split forward has its partials
-    and second launch): do_bench (events around ordinary calls, as the tuner timed before) measures the
-    gap; gpu_milliseconds the kernels alone, so configs are ranked by what they cost the GPU."""
+    and second launch between its launches): gpu_milliseconds counts the kernels alone, so configs are
+    ranked by what they cost the GPU, not by the host's share of a call."""
     import time
-
-    from triton.testing import do_bench
 
     x = torch.ones(1024, device="cuda")
 
@@ -232,7 +230,6 @@ def test_tuning_times_the_gpu_not_the_host():
         time.sleep(1e-3)
         x.mul_(1.0)
 
-    assert do_bench(host_bound, warmup=1, rep=20, return_mode="median") > 0.9
     assert _launcher.gpu_milliseconds(host_bound, 4) < 0.1
 
 
