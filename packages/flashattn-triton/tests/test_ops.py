@@ -193,3 +193,97 @@ def test_a_first_call_imports_neither_dynamo_nor_sympy():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def _layout(shape, layout):
+    """A random (B, H, T, d) tensor: contiguous, a (B, T, H, d) tensor's transpose (what a model's
+    ``proj(x).view(B, T, H, d).transpose(1, 2)`` passes) or not dense (every other d of a wider one)."""
+    batch, heads, seqlen, head_dim = shape
+    if layout == "contiguous":
+        return torch.randn(shape)
+    if layout == "transposed":
+        return torch.randn(batch, seqlen, heads, head_dim).transpose(1, 2)
+    return torch.randn(batch, heads, seqlen, 2 * head_dim)[..., ::2]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "not-dense"])
+def test_outputs_and_gradients_take_sdpa_layouts(layout):
+    """The output in SDPA's layout for the same inputs: q's where q is dense with unit stride along d,
+    else contiguous; each gradient by the same rule from its input. (CPU SDPA's own backward returns
+    (B, T, H, d) memory whatever its inputs: its gradients are compared where that is the rule's, for
+    transposed inputs.)"""
+    torch.manual_seed(0)
+    q, k, v = (_layout((2, 3, 11, 8), layout).requires_grad_() for _ in range(3))
+    out = flash_attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.stride() == want.stride()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for got, expected, x in zip(got_grads, want_grads, (q, k, v), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        if layout == "transposed":
+            assert got.stride() == expected.stride() == x.stride()
+        else:
+            assert got.stride() == (x.stride() if layout == "contiguous" else torch.empty(x.shape).stride())
+
+
+def test_opcheck_with_transposed_inputs():
+    """Fake and real strides agree (opcheck compares them) where the outputs follow transposed inputs."""
+    q, k, v = (_layout((2, 3, 13, 16), "transposed") for _ in range(3))
+    torch.library.opcheck(ops.attn_fwd, forward_args(q, k, v, True))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(ops.attn_fwd, forward_args(*leaves, True))
+    out, lse = ops.attn_fwd(*forward_args(q, k, v, True))
+    assert out.stride() == q.stride()
+    grad_out = torch.randn(2, 13, 3, 16).transpose(1, 2)  # as autograd brings it from out.transpose(1, 2)
+    torch.library.opcheck(ops.attn_bwd, (grad_out, None, q, k, v, out, lse, *forward_args(q, k, v, True)[3:],
+                                         False))  # fmt: skip
+
+
+class _SeparateProjections(torch.nn.Module):
+    """Attention whose q, k, v are views of their own projections: dense (B, T, H, d) memory."""
+
+    def __init__(self, attention, d_model: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.attention, self.heads = attention, heads
+        self.projections = torch.nn.ModuleList(torch.nn.Linear(d_model, d_model) for _ in range(3))
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        batch, seqlen, d_model = x.shape
+        q, k, v = (p(x).view(batch, seqlen, self.heads, -1).transpose(1, 2) for p in self.projections)
+        y = self.attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seqlen, d_model)
+        return self.proj(y)
+
+
+def test_compiled_transposes_are_views_as_with_sdpa():
+    """Compiled (fullgraph), the model's transpose back of the output and autograd's of dQ, dK, dV are
+    views: the graphs copy (aten.clone) as often as SDPA's, never, and give SDPA's results."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run(attention):
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        torch.manual_seed(0)
+        model = _SeparateProjections(attention)
+        x = torch.randn(2, 12, 32, requires_grad=True)
+        backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        out = compiled(x)
+        grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+        clones = sum(node.target is torch.ops.aten.clone.default for g in graphs for node in g.graph.nodes)
+        return out, grads, clones, len(graphs)
+
+    out, grads, clones, graphs = run(flash_attention)
+    want, want_grads, want_clones, _ = run(F.scaled_dot_product_attention)
+    assert graphs == 2 and clones == want_clones == 0
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
