@@ -197,36 +197,42 @@ def test_a_first_call_imports_neither_dynamo_nor_sympy():
 
 def _layout(shape, layout):
     """A random (B, H, T, d) tensor: contiguous, a (B, T, H, d) tensor's transpose (what a model's
-    ``proj(x).view(B, T, H, d).transpose(1, 2)`` passes) or not dense (every other d of a wider one)."""
+    ``proj(x).view(B, T, H, d).transpose(1, 2)`` passes), a fused qkv projection's third (not dense: what
+    benchmarks.model passes) or not dense along d (every other d of a wider tensor)."""
     batch, heads, seqlen, head_dim = shape
     if layout == "contiguous":
         return torch.randn(shape)
     if layout == "transposed":
         return torch.randn(batch, seqlen, heads, head_dim).transpose(1, 2)
+    if layout == "fused":
+        return torch.randn(batch, seqlen, 3, heads, head_dim).permute(2, 0, 3, 1, 4)[0]
     return torch.randn(batch, heads, seqlen, 2 * head_dim)[..., ::2]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "transposed", "not-dense"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused", "not-dense"])
 def test_outputs_and_gradients_take_sdpa_layouts(layout):
-    """The output in SDPA's layout for the same inputs: q's where q is dense with unit stride along d,
-    else contiguous; each gradient by the same rule from its input. (CPU SDPA's own backward returns
-    (B, T, H, d) memory whatever its inputs: its gradients are compared where that is the rule's, for
-    transposed inputs.)"""
+    """Outputs and gradients dense in their inputs' order of dims, as SDPA allocates them: the input's
+    strides where it is dense, (B, T, H, d) memory for a fused projection's view, contiguous where d is
+    strided. SDPA's output agrees on every layout; its gradients where they are (B, T, H, d) memory,
+    which its CPU backward returns whatever its inputs."""
     torch.manual_seed(0)
-    q, k, v = (_layout((2, 3, 11, 8), layout).requires_grad_() for _ in range(3))
+    shape = (2, 3, 11, 8)
+    q, k, v = (_layout(shape, layout).requires_grad_() for _ in range(3))
     out = flash_attention(q, k, v, is_causal=True)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert out.stride() == want.stride()
+    contiguous, transposed = torch.empty(shape).stride(), _layout(shape, "transposed").stride()
+    packed = {"contiguous": contiguous, "not-dense": contiguous, "transposed": transposed,
+              "fused": transposed}
+    assert out.stride() == want.stride() == packed[layout]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     grad = torch.randn_like(out)
     got_grads = torch.autograd.grad(out, (q, k, v), grad)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
-    for got, expected, x in zip(got_grads, want_grads, (q, k, v), strict=True):
+    for got, expected in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-        if layout == "transposed":
-            assert got.stride() == expected.stride() == x.stride()
-        else:
-            assert got.stride() == (x.stride() if layout == "contiguous" else torch.empty(x.shape).stride())
+        assert got.stride() == packed[layout]
+        if layout in ("transposed", "fused"):
+            assert got.stride() == expected.stride()
 
 
 def test_opcheck_with_transposed_inputs():
@@ -242,25 +248,32 @@ def test_opcheck_with_transposed_inputs():
                                          False))  # fmt: skip
 
 
-class _SeparateProjections(torch.nn.Module):
-    """Attention whose q, k, v are views of their own projections: dense (B, T, H, d) memory."""
+class _Attention(torch.nn.Module):
+    """Attention on views of projections: q, k, v of their own (dense (B, T, H, d) memory) or thirds of one
+    fused projection (benchmarks.model's, not dense)."""
 
-    def __init__(self, attention, d_model: int = 32, heads: int = 2) -> None:
+    def __init__(self, attention, fused: bool, d_model: int = 32, heads: int = 2) -> None:
         super().__init__()
-        self.attention, self.heads = attention, heads
-        self.projections = torch.nn.ModuleList(torch.nn.Linear(d_model, d_model) for _ in range(3))
+        self.attention, self.heads, self.fused = attention, heads, fused
+        width, count = (3 * d_model, 1) if fused else (d_model, 3)
+        self.projections = torch.nn.ModuleList(torch.nn.Linear(d_model, width) for _ in range(count))
         self.proj = torch.nn.Linear(d_model, d_model)
 
     def forward(self, x):
         batch, seqlen, d_model = x.shape
-        q, k, v = (p(x).view(batch, seqlen, self.heads, -1).transpose(1, 2) for p in self.projections)
+        if self.fused:
+            q, k, v = self.projections[0](x).view(batch, seqlen, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        else:
+            q, k, v = (p(x).view(batch, seqlen, self.heads, -1).transpose(1, 2) for p in self.projections)
         y = self.attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seqlen, d_model)
         return self.proj(y)
 
 
-def test_compiled_transposes_are_views_as_with_sdpa():
-    """Compiled (fullgraph), the model's transpose back of the output and autograd's of dQ, dK, dV are
-    views: the graphs copy (aten.clone) as often as SDPA's, never, and give SDPA's results."""
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_compiled_transposes_are_views_as_with_sdpa(fused):
+    """Compiled (fullgraph), the model's transpose back of the output is a view (no aten.clone in the
+    forward graph), and the graphs copy as often as SDPA's (separate projections: never, also for dQ, dK,
+    dV; fused: once, stacking the gradients back into the projection's), with SDPA's results."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -272,18 +285,19 @@ def test_compiled_transposes_are_views_as_with_sdpa():
             return make_boxed_func(gm.forward)
 
         torch.manual_seed(0)
-        model = _SeparateProjections(attention)
+        model = _Attention(attention, fused)
         x = torch.randn(2, 12, 32, requires_grad=True)
         backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         out = compiled(x)
         grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
-        clones = sum(node.target is torch.ops.aten.clone.default for g in graphs for node in g.graph.nodes)
-        return out, grads, clones, len(graphs)
+        assert len(graphs) == 2
+        clones = [sum(node.target is torch.ops.aten.clone.default for node in g.graph.nodes) for g in graphs]
+        return out, grads, clones
 
-    out, grads, clones, graphs = run(flash_attention)
-    want, want_grads, want_clones, _ = run(F.scaled_dot_product_attention)
-    assert graphs == 2 and clones == want_clones == 0
+    out, grads, clones = run(flash_attention)
+    want, want_grads, want_clones = run(F.scaled_dot_product_attention)
+    assert clones == want_clones and clones[0] == 0
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     for got, expected in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -61,21 +61,23 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
 
 
 def output_like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped and typed like x in the layout SDPA gives attention's output (and its
-    flash backward the gradients): x's strides where x is dense (a permutation of a packed tensor) with
-    unit stride along d, else contiguous. So the (B, T, H, d) memory of q = ``proj(x).view(B, T, H,
-    d).transpose(1, 2)`` carries over to the output and dQ, and the model's ``out.transpose(1, 2).reshape(B,
-    T, H * d)`` (and autograd's view of dQ back to proj's output) is a view, not a copy. The fake
+    """An uninitialized tensor shaped and typed like x, laid out as SDPA lays out attention's output (and
+    its backward the gradients, ATen's ``alloc_with_matching_layout``): dense, its dims in x's order in
+    memory (sorted by x's strides, outermost first; ties keep their order), with d innermost here so that
+    the kernels can store rows (SDPA would follow an x strided along d too; such an x is rare and copied
+    anyway). So a dense x's own strides, and for q = ``proj(x).view(B, T, H, d).transpose(1, 2)`` or a
+    fused projection's ``qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)[0]`` (not dense) packed (B, T, H,
+    d) memory: the model's ``out.transpose(1, 2).reshape(B, T, H * d)`` is a view, not a copy. The fake
     implementations call it too, so real and fake strides agree by construction."""
-    out = torch.empty_like(x)  # (x's strides where x is non-overlapping and dense)
-    return out if out.stride(-1) == 1 else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    inner = x.dim() - 1
+    order = sorted(range(inner), key=x.stride, reverse=True)  # (sorted is stable, also reversed)
+    return torch.empty_permuted(x.shape, (*order, inner), dtype=x.dtype, device=x.device)
 
 
 def in_output_layout(result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """result, a contiguous output or gradient shaped like x, in output_like(x)'s layout: itself where the
-    two agree (contiguous x), else copied. For the paths that compute contiguous results (torch_impl's
-    PyTorch code, the feature kernels' pointer arithmetic): one copy, where the model would otherwise
-    copy to undo the transpose."""
+    two agree (x laid out in (B, H, T, d) order), else copied. For the PyTorch path, whose results are
+    contiguous: one copy, where the model would otherwise copy to undo the transpose."""
     if x.is_contiguous() and result.is_contiguous():
         return result
     out = output_like(x)

@@ -31,9 +31,10 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
   window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
   the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
   bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
-- ``out`` is shaped and typed like q, in q's layout where q is dense with unit stride along d (SDPA's rule:
-  the (B, T, H, d) memory of ``proj(x).view(B, T, H, d).transpose(1, 2)`` stays, so the model's transpose
-  back is a view), else contiguous (``_inputs.output_like``); ``lse`` float32, contiguous, of shape
+- ``out`` is shaped and typed like q and laid out as SDPA lays it out (``_inputs.output_like``): dense, in
+  q's order of dims in memory (d innermost), so q's strides where q is dense, and (B, T, H, d) memory for
+  the ``view(B, T, H, d).transpose(1, 2)`` of a projection (fused or not), whose transpose back to (B, T,
+  H * d) is then a view; ``lse`` float32, contiguous, of shape
   ``q.shape[:-1]``: the log-sum-exp of each row's (masked) scaled scores.
 
 ``attn_bwd(grad_out, grad_lse, q, k, v, out, lse, <attn_fwd's arguments after v>, deterministic)

@@ -206,8 +206,8 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    config: ForwardConfig | None = None, *, window: tuple[int, int] | None = None,
                    dropout_p: float = 0.0,
                    rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O in q's layout where q is
-    dense with unit stride along d, else contiguous (_inputs.output_like), L float32 of shape
+    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O dense in q's order of
+    dims (_inputs.output_like: q's strides where q is dense, as SDPA's), L float32 of shape
     q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than q:
     grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
     head h reading K/V head h // (Hq / Hkv). window=(left, right), -1 unbounded: query i sees keys
