@@ -145,7 +145,7 @@ def test_outputs_and_gradients_in_the_inputs_layouts(problem, monkeypatch, case,
         return x4
 
     monkeypatch.setattr(_inputs, "kernel_output", recording)
-    p = problem((2, 3), 21, 19, head_dim, torch.float32, True, scale=0.3)
+    p = problem((2, 3), 21, 21 if fused else 19, head_dim, torch.float32, True, scale=0.3)  # (one projection)
     packed = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (p.q, p.k, p.v, p.grad_out)]
     q, k, v, grad_out = packed
     if fused:  # (B, T, 3, H, d) memory
