@@ -116,6 +116,49 @@ def test_split_key_tiles_give_the_same_attention_and_gradients(problem, case):
     assert type(plan.launch).__name__ == "LaunchPair"
 
 
+LAYOUT_CASES = {  # name: (fused, head dim, forward config, backward config); None: the interpreter's default
+    "default": (False, 16, None, None),
+    "fused-qkv": (True, 16, None, None),
+    "kv-splits-atomic-dq": (False, 16, ForwardConfig(16, 16, 4, 1, kv_splits=2),
+                            BackwardConfig(16, 32, 4, 1, atomic_dq=True)),
+    "split": (False, 16, None, BackwardConfig(32, 16, 4, 1, split=True, dq_block_m=16)),
+    "padded-head-dim": (False, 6, ForwardConfig(16, 16, 4, 1, kv_splits=2), None),  # rows of 24 bytes
+}
+
+
+@pytest.mark.parametrize("descriptors", ["host", "kernel"])
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_outputs_and_gradients_in_the_inputs_layouts(problem, monkeypatch, case, descriptors):
+    """Inputs of (B, T, H, d) memory (or thirds of one fused projection) give O, dQ, dK, dV in packed
+    (B, T, H, d) memory, as SDPA's: written in place through host-built descriptors (and by the split
+    forward's combine, through strides), through a packed tensor copied back where the kernels build
+    their own descriptors or pad the head dim."""
+    fused, head_dim, forward, backward = LAYOUT_CASES[case]
+    if descriptors == "kernel":
+        monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
+    in_place = []
+    kernel_output = _inputs.kernel_output
+
+    def recording(out, *args):
+        x4 = kernel_output(out, *args)
+        in_place.append(x4.data_ptr() == out.data_ptr())
+        return x4
+
+    monkeypatch.setattr(_inputs, "kernel_output", recording)
+    p = problem((2, 3), 21, 21 if fused else 19, head_dim, torch.float32, True, scale=0.3)  # (one projection)
+    packed = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (p.q, p.k, p.v, p.grad_out)]
+    q, k, v, grad_out = packed
+    if fused:  # (B, T, 3, H, d) memory
+        q, k, v = torch.stack([t.transpose(1, 2) for t in (q, k, v)], 2).permute(2, 0, 3, 1, 4)
+    out, lse = triton_forward(q, k, v, True, 0.3, forward)
+    grads = triton_backward(q, k, v, out, lse, grad_out, True, 0.3, backward)
+    p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.stride() == sdpa.stride() == packed[0].stride()
+    assert [g.stride() for g in grads] == [t.stride() for t in packed[:3]]
+    assert len(in_place) == 4 and all(in_place) == (descriptors == "host" and head_dim == 16)
+
+
 TRANSPOSED_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype)
     ((2,), 70, 45, 128, True, torch.float32),
     ((1, 2), 33, 64, 96, False, torch.float32),

@@ -419,11 +419,12 @@ def attn_fwd(
 
 @triton.jit
 def attn_fwd_combine(
-    Partials, Out, L, batch_heads, seqlen_q, partial_rows, head_dim,
+    Partials, Out, L, batch_heads, heads, seqlen_q, partial_rows, head_dim, stride_oz, stride_oh, stride_om,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """O and L of BLOCK_M rows from attn_fwd's SPLITS partials (O_s, lse_s), partial_rows a head each:
-    lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: contiguous (Z * H, seqlen_q, head_dim).
+    lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: (Z, H, seqlen_q, head_dim) of any
+    strides with unit stride along d (the query's layout, _inputs.output_like); L contiguous (Z, H, T).
     Grid: (tiles * Z * H,). The loops over the splits unroll, so that every split's loads are in flight at
     once: the kernel is one memory round trip long, not one a split."""
     # (batch_heads and partial_rows may arrive as constexprs: Triton specializes integer arguments of 1)
@@ -449,11 +450,12 @@ def attn_fwd_combine(
         o = tl.load(Partials + partial[:, None] * BLOCK_D + cols[None, :], mask=in_rows[:, None], other=0.0)
         acc += weight[:, None] * o
         total += weight
-    out_rows = bh.to(tl.int64) * seqlen_q + rows
-    tl.store(L + out_rows, (lse_max + tl.math.log2(total)) * _LN2, mask=in_rows)
+    tl.store(L + bh.to(tl.int64) * seqlen_q + rows, (lse_max + tl.math.log2(total)) * _LN2, mask=in_rows)
     out = (acc / tl.where(total == 0, 1.0, total)[:, None]).to(Out.dtype.element_ty)
     in_tile = in_rows[:, None] & (cols < head_dim)[None, :]
-    tl.store(Out + out_rows[:, None] * head_dim + cols[None, :], out, mask=in_tile)
+    z, h = bh // heads, bh % heads
+    out_rows = z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + rows.to(tl.int64) * stride_om
+    tl.store(Out + out_rows[:, None] + cols[None, :], out, mask=in_tile)
 
 
 @triton.jit

@@ -31,13 +31,16 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
   window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
   the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
   bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
-- ``out`` is contiguous, shaped and typed like q; ``lse`` float32, contiguous, of shape ``q.shape[:-1]``:
-  the log-sum-exp of each row's (masked) scaled scores.
+- ``out`` is shaped and typed like q and laid out as SDPA lays it out (``_inputs.output_like``): dense, in
+  q's order of dims in memory (d innermost), so q's strides where q is dense, and (B, T, H, d) memory for
+  the ``view(B, T, H, d).transpose(1, 2)`` of a projection (fused or not), whose transpose back to (B, T,
+  H * d) is then a view; ``lse`` float32, contiguous, of shape
+  ``q.shape[:-1]``: the log-sum-exp of each row's (masked) scaled scores.
 
 ``attn_bwd(grad_out, grad_lse, q, k, v, out, lse, <attn_fwd's arguments after v>, deterministic)
--> (dq, dk, dv)``: contiguous, shaped like q, k, v. ``grad_lse`` (optional) is the gradient of lse,
-for callers who use it. ``deterministic``: bitwise repeatable gradients (no atomics), set from
-``torch.are_deterministic_algorithms_enabled()``.
+-> (dq, dk, dv)``: shaped like q, k, v, each in its input's layout by the same rule. ``grad_lse``
+(optional) is the gradient of lse, for callers who use it. ``deterministic``: bitwise repeatable
+gradients (no atomics), set from ``torch.are_deterministic_algorithms_enabled()``.
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
@@ -140,8 +143,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
     path = _path(q, k, options)
-    if path == "torch":
-        return torch_impl.attention_forward(q, k, v, **options)
+    if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
+        out, lse = torch_impl.attention_forward(q, k, v, **options)
+        return _inputs.in_output_layout(out, q), lse
     if path == "tuned":
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
@@ -162,7 +166,8 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
     path = _path(q, k, options)
     if path == "torch":
-        return torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+        grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+        return tuple(_inputs.in_output_layout(g, t) for g, t in zip(grads, (q, k, v), strict=True))
     if path == "tuned":
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
@@ -176,7 +181,7 @@ def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dr
                    rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
                    diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                    max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _inputs.output_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -184,7 +189,7 @@ def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tens
                    scale: float, window_left: int, window_right: int, diagonal_offset: int,
                    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
                    max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _inputs.output_like(q), _inputs.output_like(k), _inputs.output_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:

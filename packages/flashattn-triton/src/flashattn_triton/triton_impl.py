@@ -206,9 +206,10 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    config: ForwardConfig | None = None, *, window: tuple[int, int] | None = None,
                    dropout_p: float = 0.0,
                    rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O is contiguous, L float32
-    of shape q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than
-    q: grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
+    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O dense in q's order of
+    dims (_inputs.output_like: q's strides where q is dense, as SDPA's), L float32 of shape
+    q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than q:
+    grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
     head h reading K/V head h // (Hq / Hkv). window=(left, right), -1 unbounded: query i sees keys
     i - left .. i + right only (and right = 0 under is_causal), top-left aligned; a row that sees no key
     gets O 0, L -inf. dropout_p > 0 drops probabilities as _dropout says, from rng_state
@@ -237,12 +238,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     kernels = _launcher.kernels()
     scale = plan.scale
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = _inputs.output_like(q)
     if q.numel() == 0:
-        return torch.empty_like(q, memory_format=torch.contiguous_format), lse, plan
+        return out, lse, plan
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
     precision = plan.problem.precision
     q4, k4, v4 = _kernel_views(plan, (q, k, v))
-    o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
+    o4 = out if plan.as_is else _inputs.kernel_output(out, head_dim, host)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     group = plan.problem.group
@@ -284,18 +286,17 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         if not split:
             return main
         return main, {
-            "Partials": partials, "Out": o4, "L": lse, "batch_heads": batch * heads, "seqlen_q": seqlen_q,
-            "partial_rows": rows, "head_dim": head_dim, "SPLITS": c.kv_splits, "BLOCK_M": COMBINE_ROWS,
-            "BLOCK_D": block_d,
+            "Partials": partials, "Out": o4, "L": lse, "batch_heads": batch * heads, "heads": heads,
+            "seqlen_q": seqlen_q, "partial_rows": rows, "head_dim": head_dim, "stride_oz": o4.stride(0),
+            "stride_oh": o4.stride(1), "stride_om": o4.stride(2), "SPLITS": c.kv_splits,
+            "BLOCK_M": COMBINE_ROWS, "BLOCK_D": block_d,
         }  # fmt: skip
 
     with _launcher.device_guard(q):
         _run(plan, launcher, args, q.device)
-    if plan.as_is or o4.shape == q.shape:
-        return o4, lse, plan
-    # A head dim padded up to 16 bytes a row: the output is the unpadded part, contiguous (a custom op's
-    # outputs are, as its fake implementation says).
-    return o4[..., : q.shape[-1]].reshape(q.shape).contiguous(), lse, plan
+    # (a copy only where the kernels could not write out in place: a head dim padded up to 16 bytes a row,
+    # or a layout that kernel-built descriptors cannot describe)
+    return _inputs.copy_back(out, o4), lse, plan
 
 
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -318,7 +319,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     kernels = _launcher.kernels()
     band = band_of(window, is_causal)
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
-        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        return tuple(_inputs.output_like(t).zero_() for t in (q, k, v))
     plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config, deterministic,
                           grad_lse is not None, band, dropout_p)  # fmt: skip
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
@@ -327,11 +328,16 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     group = plan.problem.group
-    if share_allocation and q4.shape == k4.shape:  # an allocation is host time a small problem notices
-        dq4, dk4, dv4 = torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
-    else:  # dK and dV of each query head: K/V's heads under GQA until summed over the groups
-        dq4, dk4, dv4 = (torch.empty((batch, heads, *t.shape[2:]), dtype=t.dtype, device=t.device)
-                         for t in (q4, k4, v4))  # fmt: skip
+    # The gradients in their inputs' layouts (_inputs.output_like), written in place where the kernels can
+    # address them (as_is: contiguous 4-D inputs, so contiguous gradients).
+    if share_allocation and plan.as_is and q.shape == k.shape:  # an allocation is host time a small problem
+        grads = torch.empty((3, *q.shape), dtype=q.dtype, device=q.device).unbind()  # notices
+    else:
+        grads = tuple(_inputs.output_like(t) for t in (q, k, v))
+    dq4, dk4, dv4 = grads if plan.as_is else (_inputs.kernel_output(g, head_dim, host) for g in grads)
+    if group > 1:  # dK and dV of each query head until summed over the groups into dk4 and dv4
+        sums = dk4, dv4
+        dk4, dv4 = (torch.empty((batch, heads, *t.shape[2:]), dtype=t.dtype, device=t.device) for t in sums)
     delta = None if delta_from_o else torch.empty_like(lse)
     q_in, do_in, k_in, v_in = _kernel_inputs(plan, q4, do4, k4, v4)
     # dQ of the atomic variant: a float32 sum, zeroed before each run (by the preprocess where there is
@@ -407,18 +413,17 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
     if group > 1:
-        dk4, dv4 = _group_sums(dk4, group), _group_sums(dv4, group)
+        dk4, dv4 = (_group_sums(g, group, s) for g, s in zip((dk4, dv4), sums, strict=True))
     if plan.as_is:
-        return dq4, dk4, dv4
-    return tuple(g if g.shape == t.shape else g[..., : t.shape[-1]].reshape(t.shape).contiguous()
-                 for g, t in zip((dq4, dk4, dv4), (q, k, v), strict=True))  # fmt: skip
+        return grads
+    return tuple(_inputs.copy_back(g, g4) for g, g4 in zip(grads, (dq4, dk4, dv4), strict=True))
 
 
-def _group_sums(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """dK or dV per query head, (Z, H, T, d), summed over each group of `group` heads to (Z, H / group, T,
-    d) (torch accumulates 16-bit sums in float32 and rounds once)."""
+def _group_sums(grad: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
+    """dK or dV per query head, (Z, H, T, d), summed over each group of `group` heads into out, (Z, H /
+    group, T, d) of any strides (torch accumulates 16-bit sums in float32 and rounds once)."""
     batch, heads, *rest = grad.shape
-    return grad.view(batch, heads // group, group, *rest).sum(2)
+    return torch.sum(grad.view(batch, heads // group, group, *rest), 2, out=out)
 
 
 class FlashAttentionTriton(AttentionFunction):
