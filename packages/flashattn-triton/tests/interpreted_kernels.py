@@ -610,8 +610,9 @@ def test_dropout_p_one_drops_everything_in_the_tuned_kernels(problem, backward, 
         assert not t.any(), name
     _, undropped = triton_forward(p.q, p.k, p.v, True, 0.3)
     torch.testing.assert_close(lse.detach(), undropped)
+    drop = {"dropout_p": 1.0, "rng_state": draw_rng(p.q.device)}
     grads = triton_backward(p.q, p.k, p.v, out.detach(), lse.detach(), p.grad_out, True, 0.3,
-                            DROPOUT_BACKWARDS[backward], dropout_p=1.0, rng_state=draw_rng(p.q.device))  # fmt: skip
+                            DROPOUT_BACKWARDS[backward], **drop)  # fmt: skip
     for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
         assert not g.any(), name
 

@@ -47,8 +47,8 @@ all (possible only where Tq != Tk) gets O = 0 and L = -inf.
 
 Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Philox at counters derived
 from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 16 adjacent
-keys, a byte each), in the forward and again in the backward; nothing is stored. A row's counters are those of its
-query head (z, h), with or without groups.
+keys, a byte each), in the forward and again in the backward; nothing is stored. A row's counters are
+those of its query head (z, h), with or without groups.
 """
 
 from __future__ import annotations
