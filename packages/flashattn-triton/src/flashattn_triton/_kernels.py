@@ -265,11 +265,9 @@ def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
     tl.static_assert(BLOCK_N % 16 == 0, "one Philox call serves 16 keys")
     calls = row_calls[:, None] + (start_n // 16 + tl.arange(0, BLOCK_N // 16))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, calls)
-    # Key 16c + 4w + k takes byte k (word >> 8k & 255) of word w of call c: interleave(interleave(r0, r2),
-    # interleave(r1, r3)) lists each call's words in order (R, BLOCK_N // 4), a broadcast shift splits each
-    # into its bytes (R, BLOCK_N // 4, 4), row-major as the keys are. (A shift rather than two more
-    # interleaves: the compiler then moves only the words between threads, not each byte tile, and the
-    # kept mask reaches the MMA layout without a conversion: decisions.md#dropout-bytes.)
+    # Key 16c + 4w + k takes byte k (word >> 8k & 255) of word w of call c: the words interleaved in order
+    # (R, BLOCK_N // 4), then split by a broadcast shift (R, BLOCK_N // 4, 4), row-major as the keys are
+    # (a shift, not two more interleaves: the mask needs no layout conversion, decisions.md#dropout-bytes).
     words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
     random_bytes = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
     return tl.reshape(random_bytes >= threshold, (row_calls.shape[0], BLOCK_N))
