@@ -108,6 +108,18 @@ def test_dropout_with_a_mask_and_a_gradient_through_lse():
     assert_matches_torch_path(args, grad_out, torch.randn(q.shape[:-1]))
 
 
+def test_dropout_p_one_drops_everything_in_the_feature_kernels():
+    """dropout_p=1 with a mask: output and gradients 0 (as SDPA's), the log-sum-exp the softmax's."""
+    q, k, v, grad_out = qkv()
+    args = op_arguments(q, k, v, torch.randn(37, 45), dropout_p=1.0, enable_gqa=True)
+    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out)
+    for name in ("out", "dq", "dk", "dv"):
+        assert not got[name].any(), name
+    undropped = run(torch_impl.attention_forward, torch_impl.attention_backward, args._replace(dropout_p=0.0),
+                    grad_out)  # fmt: skip
+    torch.testing.assert_close(got["lse"], undropped["lse"])
+
+
 def test_transposed_layouts_and_float16():
     q, k, v, grad_out = qkv(dtype=torch.float16)
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # (B, T, H, d) memory

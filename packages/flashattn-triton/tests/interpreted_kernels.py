@@ -25,7 +25,7 @@ from flashattn_triton import (
     triton_impl,
 )
 from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
-from flashattn_triton._dropout import Dropout, draw_rng
+from flashattn_triton._dropout import Dropout, draw_rng, effective_p
 from flashattn_triton._inputs import tf32_parts
 from flashattn_triton.triton_impl import triton_backward, triton_forward
 
@@ -601,8 +601,8 @@ def test_dropout_with_split_key_tiles(problem, kv_splits):
 def test_tuned_and_feature_kernels_drop_the_same_probabilities(is_causal):
     """With V the identity, O = P∘M / (1 - p) shows each kept probability: the tuned kernels, the feature
     kernels and Dropout.scale_tile (the PyTorch path's mask) keep exactly the same ones, on ragged tiles
-    (Tk not a multiple of 4), and the results agree to float32 accuracy."""
-    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 2, 29, 23, 32
+    (Tk not a multiple of 16), and the results agree to float32 accuracy."""
+    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 2, 29, 30, 32
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seqlen_q, head_dim, generator=generator)
     k = torch.randn(batch, heads, seqlen_k, head_dim, generator=generator)
@@ -620,20 +620,44 @@ def test_tuned_and_feature_kernels_drop_the_same_probabilities(is_causal):
     _assert_same(tuned, features)
 
 
-def test_kept_fraction_is_within_a_binomial_bound():
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_within_a_binomial_bound(dropout_p):
     """The tuned kernel's kept probabilities (read off O with V the identity) over 16384 of them: their
-    fraction, and that of each of the four Philox outputs (keys j % 4), within 5 standard deviations of
-    1 - p."""
-    dropout_p, batch_heads, seqlen_q, seqlen_k = 0.2, 4, 128, 32
+    fraction, and that of each of the 16 bytes of the Philox calls (keys j % 16), within 5 standard
+    deviations of 1 - effective p; each kept one scaled by 1 / (1 - effective p)."""
+    batch_heads, seqlen_q, seqlen_k = 4, 128, 32
     q = torch.zeros(1, batch_heads, seqlen_q, seqlen_k)  # equal scores: P = 1 / Tk, never 0
     v = torch.eye(seqlen_k).expand(1, batch_heads, -1, -1).contiguous()
     torch.manual_seed(1)
     out, _ = triton_forward(q, q[:, :, :seqlen_k], v, False, 1.0, dropout_p=dropout_p,
                             rng_state=draw_rng(q.device))  # fmt: skip
-    kept = (out != 0).reshape(-1, 4).double()  # columns: the four outputs of each Philox call
+    dropped = effective_p(dropout_p)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / seqlen_k / (1 - dropped)))
+    kept = kept.reshape(-1, 16).double()  # columns: the 16 bytes of each Philox call
     for sample in (kept, *kept.T):
-        bound = 5 * (dropout_p * (1 - dropout_p) / sample.numel()) ** 0.5
-        assert abs(sample.mean().item() - (1 - dropout_p)) <= bound, (sample.mean().item(), bound)
+        bound = 5 * (dropped * (1 - dropped) / sample.numel()) ** 0.5
+        assert abs(sample.mean().item() - (1 - dropped)) <= bound, (sample.mean().item(), bound)
+
+
+@pytest.mark.parametrize("backward", ["default", "atomic-dq", "transposed"])
+def test_dropout_p_one_drops_everything_in_the_tuned_kernels(problem, backward, monkeypatch):
+    """flash_attention(dropout_p=1) on the tuned kernels: output and gradients 0, as SDPA's; the log-sum-exp
+    that of the softmax without dropout."""
+    no_feature_kernels(monkeypatch)
+    p = problem((2, 2), 30, 41, 16, torch.float32, True)
+    q, k, v = p.inputs()
+    out, lse = flash_attention(q, k, v, dropout_p=1.0, is_causal=True, scale=0.3, return_lse=True)
+    out.backward(p.grad_out)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), strict=True):
+        assert not t.any(), name
+    _, undropped = triton_forward(p.q, p.k, p.v, True, 0.3)
+    torch.testing.assert_close(lse.detach(), undropped)
+    drop = {"dropout_p": 1.0, "rng_state": draw_rng(p.q.device)}
+    grads = triton_backward(p.q, p.k, p.v, out.detach(), lse.detach(), p.grad_out, True, 0.3,
+                            DROPOUT_BACKWARDS[backward], **drop)  # fmt: skip
+    for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert not g.any(), name
 
 
 def test_flash_attention_with_dropout_runs_the_tuned_kernels(problem, monkeypatch):

@@ -211,6 +211,21 @@ def test_dropout_follows_torch_manual_seed_on_cuda():
     assert not torch.equal(results[0][0], results[2][0])
 
 
+@pytest.mark.parametrize("mask", [None, "float"], ids=["tuned-kernels", "feature-kernels"])
+def test_dropout_p_one_drops_everything_on_cuda(mask):
+    """dropout_p=1: output and gradients 0, as SDPA's (math semantics), on the tuned kernels and, with a
+    mask, on the feature kernels; the log-sum-exp is the softmax's."""
+    q, k, v, grad_out = qkv(2, 4, 4, 300, 300, 64, torch.bfloat16)
+    attn_mask = None if mask is None else _mask((300, 300), mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, attn_mask, dropout_p=1.0, return_lse=True)
+    out.backward(grad_out)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), strict=True):
+        assert not t.any(), name
+    _, undropped = flash_attention(q, k, v, attn_mask, return_lse=True)
+    torch.testing.assert_close(lse.detach(), undropped)
+
+
 def captured(step):
     """(step's results run eagerly, its results from the replay of a CUDA graph that captured it). The
     warm-up runs on a side stream, as torch.cuda.graph asks, and keeps no autograd graph alive: an

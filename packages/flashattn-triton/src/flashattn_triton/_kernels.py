@@ -46,9 +46,9 @@ its online softmax keeps m = -inf for such rows and subtracts 0 instead; a row t
 all (possible only where Tq != Tk) gets O = 0 and L = -inf.
 
 Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Philox at counters derived
-from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 4 adjacent
-keys), in the forward and again in the backward; nothing is stored. A row's counters are those of its
-query head (z, h), with or without groups.
+from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 16 adjacent
+keys, a byte each), in the forward and again in the backward; nothing is stored. A row's counters are
+those of its query head (z, h), with or without groups.
 """
 
 from __future__ import annotations
@@ -257,16 +257,20 @@ def _rng_state(Rng, DROPOUT: tl.constexpr):
 
 @triton.jit
 def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
-    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4) dropout keeps,
-    (R, BLOCK_N), in the R rows whose key 0 takes its number from the Philox call at row_calls ((R,) int64,
-    the offset included): key j takes output j % 4 of the call at row_calls + j // 4 (tl.randint4x), and is
-    kept iff that number is at least threshold (< 2**32). The mapping of _dropout, whose PyTorch path drops
-    the same probabilities; the feature kernels draw theirs here too."""
-    calls = row_calls[:, None] + (start_n // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 16) dropout keeps,
+    (R, BLOCK_N), in the R rows whose key 0 takes its byte from the Philox call at row_calls ((R,) int64,
+    the offset included): key j takes byte j % 4 of output (j // 4) % 4 of the call at row_calls + j // 16
+    (tl.randint4x), and is kept iff that byte is at least threshold (0 .. 256). The mapping of _dropout,
+    whose PyTorch path drops the same probabilities; the feature kernels draw theirs here too."""
+    tl.static_assert(BLOCK_N % 16 == 0, "one Philox call serves 16 keys")
+    calls = row_calls[:, None] + (start_n // 16 + tl.arange(0, BLOCK_N // 16))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, calls)
-    numbers = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0, r1, r2, r3 per call
-    # An i32 threshold (p < 0.5) compares as uint32, an i64 one widens the numbers: both unsigned-exact.
-    return numbers >= threshold
+    # Key 16c + 4w + k takes byte k (word >> 8k & 255) of word w of call c: the words interleaved in order
+    # (R, BLOCK_N // 4), then split by a broadcast shift (R, BLOCK_N // 4, 4), row-major as the keys are
+    # (a shift, not two more interleaves: the mask needs no layout conversion, decisions.md#dropout-bytes).
+    words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    random_bytes = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+    return tl.reshape(random_bytes >= threshold, (row_calls.shape[0], BLOCK_N))
 
 
 @triton.jit
@@ -328,8 +332,9 @@ def attn_fwd(
     window_right = 0): the band of the module docstring.
 
     DROPOUT drops probabilities as _dropout says (Rng: its (seed, offset) tensor; the probability kept iff
-    its Philox number >= dropout_threshold, then scaled by dropout_scale = 1 / (1 - p)): the counters of
-    row (z, h, i) start at offset + ((z * H + h) * Tq + i) * ceil(Tk / 4), those of Dropout.dense."""
+    its Philox byte >= dropout_threshold, then scaled by dropout_scale = 1 / (1 - effective p)): the
+    counters of row (z, h, i) start at offset + ((z * H + h) * Tq + i) * ceil(Tk / 16), those of
+    Dropout.dense."""
     tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
@@ -350,7 +355,7 @@ def attn_fwd(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     seed, rng_offset = _rng_state(Rng, DROPOUT)
-    row_calls = rng_offset + (bh.to(tl.int64) * seqlen_q + offs_m) * tl.cdiv(seqlen_k, 4)
+    row_calls = rng_offset + (bh.to(tl.int64) * seqlen_q + offs_m) * tl.cdiv(seqlen_k, 16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -669,7 +674,7 @@ def attn_bwd(
     start = tile * BLOCK_N
     l_base = L + bh.to(tl.int64) * seqlen_q
     seed, rng_offset = _rng_state(Rng, DROPOUT)
-    calls_per_row = tl.cdiv(seqlen_k, 4)
+    calls_per_row = tl.cdiv(seqlen_k, 16)
     head_calls = rng_offset + bh.to(tl.int64) * seqlen_q * calls_per_row
     if DELTA_FROM_O:
         delta_step = _descriptor(O_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)

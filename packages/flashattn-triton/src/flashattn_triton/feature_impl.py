@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton._dropout import Dropout, check_rng, threshold
+from flashattn_triton._dropout import Dropout, check_rng, kept_scale, threshold
 from flashattn_triton._inputs import output_like
 from flashattn_triton._validation import UNBOUNDED
 
@@ -168,7 +168,7 @@ def _problem(
     head_dim = q.shape[-1]
     shared = (seqlen_q, seqlen_k, head_dim)
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
-    dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), counters.stride_b, counters.stride_h,
+    dropout = (threshold(dropout_p), kept_scale(dropout_p), counters.stride_b, counters.stride_h,
                counters.stride_i)  # fmt: skip
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     constants = {

@@ -23,9 +23,10 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
   rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``max_seqlen_q/k`` bound the lengths (0 when not packed).
 - ``attn_mask``: None, a bool tensor (True = may attend) or a float tensor added to the scaled scores,
   broadcastable to ``(B, Hq, Tq, Tk)``. It gets no gradient.
-- ``dropout_p`` in [0, 1): attention probabilities dropped as SDPA does. ``rng_state``: int64 ``(2,)`` on
-  q's device, (Philox seed, offset), drawn by flash_attention from the device's default generator; None
-  when ``dropout_p == 0``. The backward regenerates the same mask from it.
+- ``dropout_p`` in [0, 1]: attention probabilities dropped as SDPA does, p rounded to a multiple of
+  1/256 (_dropout). ``rng_state``: int64 ``(2,)`` on q's device, (Philox seed, offset), drawn by
+  flash_attention from the device's default generator; None when ``dropout_p == 0``. The backward
+  regenerates the same mask from it.
 - ``scale``: the softmax scale (flash_attention resolves None to 1/sqrt(d)).
 - Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
   window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns

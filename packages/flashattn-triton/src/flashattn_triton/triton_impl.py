@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from flashattn_triton import _hopper, _inputs, _launcher
 from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch, smaller
-from flashattn_triton._dropout import check_rng, threshold
+from flashattn_triton._dropout import check_rng, kept_scale, threshold
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
 from flashattn_triton._planning import (
@@ -222,7 +222,7 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 def _dropout_args(dropout_p: float, rng_state: torch.Tensor | None) -> dict[str, Any]:
     """The kernels' dropout arguments (compiled out where DROPOUT is False)."""
     return {"Rng": rng_state, "dropout_threshold": threshold(dropout_p),
-            "dropout_scale": 1.0 / (1.0 - dropout_p), "DROPOUT": dropout_p > 0.0}  # fmt: skip
+            "dropout_scale": kept_scale(dropout_p), "DROPOUT": dropout_p > 0.0}  # fmt: skip
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
