@@ -117,7 +117,7 @@ def _packed_descriptor(arg, first_row, rows, heads, head_dim, BLOCK_T: tl.conste
     return tl.make_tensor_descriptor(
         arg + first_row.to(tl.int64) * row,
         shape=[1, heads, rows, head_dim],
-        strides=[rows * row, head_dim, row, 1],
+        strides=[row, head_dim, row, 1],  # (dim 0 is never stepped along)
         block_shape=[1, 1, BLOCK_T, BLOCK_D],
     )
 
@@ -470,7 +470,7 @@ def attn_fwd(
     else:
         lse = (m_i + tl.math.log2(l_i)) * _LN2
         tl.store(l_rows, lse, mask=offs_m < seqlen_q)
-        if BAND:  # rows that saw no key (l = 0, acc = 0, lse = -inf) get O = 0
+        if BAND or VARLEN:  # rows that saw no key (l = 0, acc = 0, lse = -inf) get O = 0
             l_i = tl.where(l_i == 0, 1.0, l_i)
         _store_tile(o_desc, z, h, start_m, (acc / l_i[:, None]).to(q.dtype), BLOCK_M, BLOCK_D)
 

@@ -459,12 +459,13 @@ def triton_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     tiles or the Gluon kernels. A sequence without keys gets O 0 and L -inf."""
     check_rng(dropout_p, rng_state)
     batch = cu_seqlens_q.numel() - 1
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # (indexed by z)
     plan = _plan("fwd", q, (q, k, v, cu_seqlens_q, cu_seqlens_k), is_causal, scale, config,
                  dropout_p=dropout_p, grouped=True, varlen=(batch, max_seqlen_q, max_seqlen_k))  # fmt: skip
     check_device(q)
     kernels = _launcher.kernels()
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    if q.numel() == 0 or batch == 0:
+    if q.numel() == 0 or k.numel() == 0:  # no query sees any key
         return torch.zeros_like(q, memory_format=torch.contiguous_format), lse.fill_(float("-inf"))
     head_dim, block_d = plan.problem.head_dim, plan.problem.block_d
     q3, k3, v3 = (_packed_view(t, head_dim) for t in (q, k, v))
@@ -500,6 +501,7 @@ def triton_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     over each group after)."""
     check_rng(dropout_p, rng_state)
     batch = cu_seqlens_q.numel() - 1
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # (indexed by z)
     if k.numel() == 0 or q.numel() == 0 or batch == 0:  # no query sees any key: zero gradients
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     plan = _plan("bwd", q, (q, k, v, out, grad_out, cu_seqlens_q, cu_seqlens_k), is_causal, scale, config,
