@@ -49,6 +49,14 @@ Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Phil
 from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 4 adjacent
 keys), in the forward and again in the backward; nothing is stored. A row's counters are those of its
 query head (z, h), with or without groups.
+
+Packed sequences (VARLEN, compiled out otherwise): flash-attn's layout, Q (total_q, H, d), K and V (total_k,
+H / group, d), sequence z the rows cu_seqlens[z] to cu_seqlens[z + 1]. The grids are those of a (B, H,
+max_seqlen) problem; each program reads its sequence's bounds and returns if its tile starts past the
+sequence's end. A host-built descriptor would span every sequence and zero-fill only past the last one, so
+the programs build their own (_packed_descriptor): a (1, H, seqlen, d) view of the sequence's rows, strided
+H * d, which TMA zero-fills and clips at the sequence's end. Every mask then works as it does at the end of
+a tensor, with the sequence's lengths, and no tile reads or writes a row of the next sequence.
 """
 
 from __future__ import annotations
