@@ -20,7 +20,8 @@ A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES[/ATOMIC_DQ][:FLAGS], FLAGS from tr
 backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward), split (the forward's
 SPLIT_KV), band (BAND, a sliding window; CAUSAL off, as the launcher passes it), dropout (DROPOUT) and
 group (grouped-query attention: group a runtime integer rather than the constant 1) and varlen (VARLEN,
-packed sequences: pointers from which the kernels build each sequence's descriptors), comma-separated.
+packed sequences: pointers from which the kernels build each sequence's descriptors; the atomic dQ's sum
+still a host-built descriptor, unless --small), comma-separated.
 KERNELS_FILE compiles another version of _kernels.py (an experiment, an older commit's).
 """
 
@@ -97,7 +98,7 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
 
 def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, atomic: bool, flags: set,
                     causal: bool, small: bool):  # fmt: skip
-    small = small or "varlen" in flags
+    pointers = small or "varlen" in flags  # (packed sequences: the kernels describe each sequence's rows)
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
                   "CAUSAL": causal and "band" not in flags, "BAND": "band" in flags,
                   "ATOMIC_DQ": atomic, "DELTA_FROM_O": False,
@@ -125,7 +126,7 @@ def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, 
         elif name == "DQ_ACC":
             signature[name] = desc("fp32", block_m, block_d, small)
         elif name.isupper():  # the inputs' tiles: BLOCK_M rows for the steps (_S), BLOCK_N for the own
-            signature[name] = desc(ty, block_m if name.endswith("_S") else block_n, block_d, small)
+            signature[name] = desc(ty, block_m if name.endswith("_S") else block_n, block_d, pointers)
         else:
             signature[name] = "i32"
     return kernels.attn_bwd, signature, constexprs

@@ -567,7 +567,7 @@ def _row_delta(delta_src, do, z, h, row, seqlen_q, BLOCK_T: tl.constexpr, BLOCK_
 @triton.jit
 def _bwd_query_tiles(
     dk, dv, k, k_low, v, v_low, k_dq, q_desc, do_desc, bh, z, batch, h, l_ptrs, delta_src, dq_acc,
-    dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
+    dq_acc_rows, dq_first_row, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TRANSPOSED_GRADS: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr, seed, head_calls,
@@ -625,7 +625,7 @@ def _bwd_query_tiles(
             dq = _dot(tl.trans(ds_high), tl.trans(ds_low), k_dq, k_low, None, INPUT_PRECISION)
             if INPUT_PRECISION == "tf32x3":
                 dq = dq * scale
-            _add_tile(dq_acc, bh, z, h, dq_acc_rows, start_m, dq, BLOCK_M, BLOCK_D)
+            _add_tile(dq_acc, bh, z, h, dq_acc_rows, dq_first_row + start_m, dq, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
@@ -717,8 +717,8 @@ def attn_bwd(
 
     VARLEN: packed sequences as in attn_fwd, the grid's tiles those of the longest sequences; every tensor
     of rows is packed, (total, H, d) (DK, DV: (total_k, H, d)), L and Delta are (H, total_q), DQ_ACC is
-    (H, dq_acc_rows, BLOCK_D) with dq_acc_rows >= total_q + BLOCK_M (the tiles past a sequence's end add
-    exact zeros there: their rows read L = +inf), addressed by element atomics.
+    (1, H, dq_acc_rows, BLOCK_D) with dq_acc_rows >= total_q + BLOCK_M (the tiles past a sequence's end add
+    exact zeros there: their rows read L = +inf), its rows those of the packed queries.
     """
     tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
     tl.static_assert(not (VARLEN and (BAND or INPUT_PRECISION == "tf32x3")))
@@ -745,16 +745,12 @@ def attn_bwd(
         first_q, seqlen_q = _sequence(CuSeqlensQ, z)
         first_k, seqlen_k = _sequence(CuSeqlensK, z)
         head_row = h.to(tl.int64) * tl.load(CuSeqlensQ + batch) + first_q  # of L, Delta and the counters
-        dq_acc = DQ_ACC
-        if ATOMIC_DQ:  # this sequence's rows of each head
-            dq_acc += first_q.to(tl.int64) * BLOCK_D
-        bh = h  # dq_acc's head
+        bh = h  # DQ_ACC's head
         z = 0
     else:
         first_q = 0
         first_k = 0
         head_row = bh.to(tl.int64) * seqlen_q
-        dq_acc = DQ_ACC
     l_base = L + head_row
     head_calls = rng_offset + head_row * calls_per_row
     if DELTA_FROM_O:
@@ -801,29 +797,29 @@ def attn_bwd(
             # spills the wgmma descriptors of K and V and reloads them on every step.
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                dq_acc, dq_acc_rows, offs_n, first, last, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
-                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS, window_left,
-                window_right, BAND, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
-                BLOCK_N, DROPOUT,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, first, last, seqlen_q, qk_scale, scale, BLOCK_M,
+                BLOCK_D, CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS,
+                window_left, window_right, BAND, seed, head_calls, calls_per_row, start, dropout_threshold,
+                dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
         elif BAND:  # the unmasked query tiles, then the band's edges (either may hold the ragged last tile)
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                dq_acc, dq_acc_rows, offs_n, unmasked_start, unmasked_end, seqlen_q, qk_scale, scale,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, unmasked_start, unmasked_end, seqlen_q, qk_scale, scale,
                 BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
             )  # fmt: skip
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                dq_acc, dq_acc_rows, offs_n, first, unmasked_start, seqlen_q, qk_scale, scale, BLOCK_M,
-                BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, first, unmasked_start, seqlen_q, qk_scale, scale,
+                BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, True, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
             )  # fmt: skip
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                dq_acc, dq_acc_rows, offs_n, unmasked_end, last, seqlen_q, qk_scale, scale, BLOCK_M,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, unmasked_end, last, seqlen_q, qk_scale, scale, BLOCK_M,
                 BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, True, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
@@ -835,7 +831,7 @@ def attn_bwd(
                 diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
                 dk, dv = _bwd_query_tiles(
                     dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                    dq_acc, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
+                    DQ_ACC, dq_acc_rows, first_q, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
                     qk_scale, scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
                     False, window_left, window_right, False, seed, head_calls, calls_per_row, start,
                     dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
@@ -845,18 +841,18 @@ def attn_bwd(
                 unmasked_start = 0
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                dq_acc, dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M,
-                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale,
+                BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
             )  # fmt: skip
             # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                dq_acc, dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q,
-                qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                False, window_left, window_right, False, seed, head_calls, calls_per_row, start,
-                dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q,
+                seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O,
+                INPUT_PRECISION, False, window_left, window_right, False, seed, head_calls, calls_per_row,
+                start, dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
         if TRANSPOSED_GRADS:
             dk = tl.trans(dk)

@@ -515,8 +515,8 @@ def triton_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     dk3, dv3 = (torch.empty((total_k, heads, head_dim), dtype=t.dtype, device=t.device) for t in (k3, v3))
     lse_t = lse.t().contiguous()  # (H, total_q): each head's rows in a run, as the kernels read L and D
     delta = None if delta_from_o else torch.empty_like(lse_t)
-    # The atomic dQ's float32 sum, (H, rows, block_d): a tile past a sequence's end adds zeros up to 128
-    # rows further.
+    # The atomic dQ's float32 sum, (1, H, rows, block_d), rows those of the packed queries: a tile past a
+    # sequence's end adds zeros up to 128 rows further.
     dq_acc_rows = -(-total_q // 128) * 128 + 128
     dq_acc = None
     shared = {"Q_S": q3, "DO_S": do3, "K_S": k3, "V_S": v3, "Q_T": q3, "DO_T": do3, "K_T": k3, "V_T": v3,
@@ -537,14 +537,16 @@ def triton_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
         return Launcher(kernels.attn_bwd, (programs * batch * heads,), c)
 
     def phase_args(c: BackwardConfig, phase: str) -> dict[str, Any]:
-        return {"DQ_ACC": dq_acc, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "ATOMIC_DQ": c.atomic_dq,
+        # (Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics)
+        acc = tiles(dq_acc, c.block_m, block_d, plan.host and q.is_cuda) if c.atomic_dq else None
+        return {"DQ_ACC": acc, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "ATOMIC_DQ": c.atomic_dq,
                 "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase, **shared}  # fmt: skip
 
     def args(c: BackwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         nonlocal dq_acc
         dq_acc = None
         if c.atomic_dq:
-            dq_acc = (torch.zeros if delta is None else torch.empty)(heads, dq_acc_rows, block_d,
+            dq_acc = (torch.zeros if delta is None else torch.empty)(1, heads, dq_acc_rows, block_d,
                                                                       dtype=torch.float32, device=q.device)
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
@@ -570,7 +572,7 @@ def triton_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
     with _launcher.device_guard(q):
         used = _run(plan, launcher, args, q.device, preprocess if delta is not None else None)
     if used.atomic_dq:
-        dq3.copy_(dq_acc[:, :total_q, :head_dim].transpose(0, 1))
+        dq3.copy_(dq_acc[0, :, :total_q, :head_dim].transpose(0, 1))
     group = plan.problem.group
     if group > 1:
         dk3, dv3 = (g.view(total_k, heads // group, group, head_dim).sum(2) for g in (dk3, dv3))
