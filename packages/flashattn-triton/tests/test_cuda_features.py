@@ -552,9 +552,9 @@ VARLEN_BACKWARDS = {  # name: backward config at d = 64, 16-bit (None: the tuned
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 def test_varlen_tuned_kernels_match_float64(dtype, options, backward):
     """Packed sequences on the tuned kernels (VARLEN): short, empty, key-longer and query-longer sequences,
-    GQA 4:1, each backward variant; inputs between NaN guard rows."""
+    one without keys (O 0, L -inf), GQA 4:1, each backward variant; inputs between NaN guard rows."""
     torch.manual_seed(0)
-    args, grad_out = packed_problem(dtype, [130, 1, 400, 0, 77], [130, 50, 310, 3, 77], **options)
+    args, grad_out = packed_problem(dtype, [130, 1, 400, 0, 77, 20], [130, 50, 310, 3, 77, 0], **options)
     got = tuned_varlen(args, grad_out, VARLEN_BACKWARDS[backward])
     torch.cuda.synchronize()  # a fault is this case's, not the next test's
     assert_close(got, float64_torch_path(args, grad_out), dtype)
