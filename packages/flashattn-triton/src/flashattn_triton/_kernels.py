@@ -744,6 +744,8 @@ def attn_bwd(
     if VARLEN:
         first_q, seqlen_q = _sequence(CuSeqlensQ, z)
         first_k, seqlen_k = _sequence(CuSeqlensK, z)
+        if start >= tl.maximum(seqlen_q, seqlen_k):  # past both of its sequence's ends
+            return
         head_row = h.to(tl.int64) * tl.load(CuSeqlensQ + batch) + first_q  # of L, Delta and the counters
         bh = h  # DQ_ACC's head
         z = 0
