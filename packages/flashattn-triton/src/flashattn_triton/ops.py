@@ -46,8 +46,9 @@ gradients (no atomics), set from ``torch.are_deterministic_algorithms_enabled()`
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
 causal attention and for top-left bands (sliding windows) with Tq = Tk, each grouped-query or not (query
-head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for everything else the
-feature kernels (feature_impl, whose backward has no atomics).
+head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for packed sequences,
+plain or causal (not float32 at full accuracy), and for everything else the feature kernels
+(feature_impl, whose backward has no atomics).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
@@ -107,15 +108,21 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     (triton_impl's tuned kernels) for plain or top-left causal attention and for a top-left band (a
     sliding window, _window) where Tq = Tk, grouped-query or not, with or without dropout (a band's mask,
     dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
-    row's dropout counters are its query head's, as in the PyTorch path); "features" (feature_impl) for
-    every other problem (a mask, packed sequences, a bottom-right band)."""
+    row's dropout counters are its query head's, as in the PyTorch path); "varlen" (the tuned kernels'
+    packed sequences) for packed sequences, plain or causal, grouped-query or not, with or without
+    dropout, where triton_impl.supports_varlen; "features" (feature_impl) for every other problem (a
+    mask, packed sequences with a window or float32 at full accuracy, a bottom-right band)."""
     if not uses_triton(q.device):
         return "torch"
-    if options["attn_mask"] is not None or options["cu_seqlens_q"] is not None:
+    if options["attn_mask"] is not None:
         return "features"
     window_right, offset = options["window_right"], options["diagonal_offset"]
     causal = window_right == 0 and offset == 0
-    if options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal):
+    plain_or_causal = options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal)
+    if options["cu_seqlens_q"] is not None:
+        window = None if plain_or_causal else (options["window_left"], window_right)
+        return "varlen" if triton_impl.supports_varlen(q, window) else "features"
+    if plain_or_causal:
         return "tuned"
     band = offset == 0 and q.shape[2] == k.shape[2]
     return "tuned" if band else "features"
@@ -150,6 +157,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path == "tuned":
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+    if path == "varlen":
+        return triton_impl.triton_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                 max_seqlen_k, window_right == 0, scale, dropout_p=dropout_p,
+                                                 rng_state=rng_state)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -174,6 +185,11 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),
                                            dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+    if path == "varlen":
+        return triton_impl.triton_varlen_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, window_right == 0, scale,
+                                                  grad_lse=grad_lse, deterministic=deterministic,
+                                                  dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
