@@ -16,6 +16,7 @@ import torch
 
 from flashattn_triton import feature_impl, flash_attention_varlen, torch_impl, triton_impl
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
+from flashattn_triton._inputs import output_like
 from flashattn_triton._validation import varlen_op_arguments
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -183,3 +184,28 @@ def test_flash_attention_varlen_leaves_the_rest_to_the_feature_kernels(monkeypat
     assert launched
     want = torch_path(varlen_op_arguments(q, k, v, *varlen, **options), torch.zeros_like(q), None)
     torch.testing.assert_close(out, want["out"], atol=2e-5, rtol=2e-5)
+
+
+def _in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """x's values in another layout: a view of a fused (total, 3, H, d) qkv projection (dense neither), or
+    heads outermost, (H, total, d) memory transposed to (total, H, d)."""
+    if layout == "fused-qkv":
+        return torch.stack([torch.zeros_like(x), x, torch.zeros_like(x)], 1)[:, 1]
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16-padded-d"])
+@pytest.mark.parametrize("layout", ["fused-qkv", "heads-outermost"])
+def test_varlen_outputs_and_gradients_in_their_inputs_layouts(layout, dtype):
+    """Out, dq, dk and dv dense in their inputs' order of dims (_inputs.output_like, which the fake
+    implementations return too), with the PyTorch path's values: written in place or copied back (a head
+    dim of 12 float16s is padded to 16 for the kernels), grouped-query dK and dV summed into theirs."""
+    lengths_q, lengths_k = [13, 1, 40, 22], [13, 5, 31, 22]
+    q, k, v, grad_out, grad_lse = packed(lengths_q, lengths_k, 4, 2, head_dim=12, dtype=dtype)
+    q, k, v = (_in_layout(t, layout) for t in (q, k, v))
+    args = varlen_op_arguments(q, k, v, cumulative(lengths_q), cumulative(lengths_k), 40, 31,
+                               is_causal=True, scale=0.3, enable_gqa=True)  # fmt: skip
+    got = tuned_path(args, grad_out, grad_lse, backward=BackwardConfig(16, 32, 4, 1, atomic_dq=True))
+    for name, x in zip(("out", "dq", "dk", "dv"), (q, q, k, v), strict=True):
+        assert got[name].stride() == output_like(x).stride(), name
+    assert_close_to(got, torch_path(args, grad_out, grad_lse), 2e-5 if dtype == torch.float32 else 4e-3)
