@@ -67,6 +67,9 @@ class _Plan:
     preprocess: dict[bool, Launcher] = dataclasses.field(default_factory=dict)  # by whether it zeroes dQ
     splits: dict[tuple[int, bool], _inputs.TF32Split] = dataclasses.field(default_factory=dict)
     delta_from_o: bool = False  # the backward computes D = rowsum(dO * O) in its kernel
+    # The kernels' mask and dropout arguments that the key fixes (CAUSAL, the band's, dropout's threshold
+    # and scale): made once, not on every call; a call adds its Rng.
+    mask_args: dict = dataclasses.field(default_factory=dict)
     # A forward's plans of the backward, by what their keys add to the forward's: the incoming gradient's
     # strides and alignment (autograd gives it the output's shape, dtype and device), the precision and
     # whether the backward is deterministic.
@@ -135,8 +138,12 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
         # not where a gradient of L joins D, which the preprocess path adds).
         delta_from_o = problem.small and precision != "tf32x3" and not grad_lse
+        mask_args = {**kernel_band(band, seqlen_q, seqlen_k), "CAUSAL": is_causal and band is None,
+                     "dropout_threshold": threshold(dropout_p), "dropout_scale": kept_scale(dropout_p),
+                     "DROPOUT": dropout_p > 0.0}  # fmt: skip
         plan = _plans[key] = _Plan(scale, _inputs.host_descriptors(q.device), as_is, problem,
-                                   candidates(problem), config, delta_from_o=delta_from_o)  # fmt: skip
+                                   candidates(problem), config, delta_from_o=delta_from_o,
+                                   mask_args=mask_args)  # fmt: skip
     return plan
 
 
@@ -232,12 +239,6 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return out, lse
 
 
-def _dropout_args(dropout_p: float, rng_state: torch.Tensor | None) -> dict[str, Any]:
-    """The kernels' dropout arguments (compiled out where DROPOUT is False)."""
-    return {"Rng": rng_state, "dropout_threshold": threshold(dropout_p),
-            "dropout_scale": kept_scale(dropout_p), "DROPOUT": dropout_p > 0.0}  # fmt: skip
-
-
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
              config: ForwardConfig | None, grouped: bool, band: Band | None = None, dropout_p: float = 0.0,
              rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:  # fmt: skip
@@ -264,8 +265,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     q_in, k_in = _kernel_inputs(plan, q4, k4)
     (v_in,) = _kernel_inputs(plan, v4, transposed=True)  # tf32x3 reads V transposed (see _kernels)
     v_transposed = precision == "tf32x3"
-    band_args = kernel_band(band, seqlen_q, seqlen_k)
-    dropout = _dropout_args(dropout_p, rng_state)
+    mask_args = plan.mask_args
 
     def launcher(c: ForwardConfig) -> Launcher | LaunchPair:
         query_tiles = -(-seqlen_q // c.block_m) * batch * heads
@@ -293,8 +293,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             "L": lse, "Partials": partials, "batch": batch, "heads": heads, "group": group,
             "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "head_dim": head_dim,
             "qk_scale": scale * kernels.LOG2E, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
-            "CAUSAL": is_causal and band is None, "INPUT_PRECISION": precision, "SPLIT_KV": split,
-            **band_args, **dropout, **_NOT_PACKED,
+            "INPUT_PRECISION": precision, "SPLIT_KV": split, "Rng": rng_state, **mask_args, **_NOT_PACKED,
         }  # fmt: skip
         if not split:
             return main
@@ -357,8 +356,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     # one), padded to whole tiles of up to 128 rows so that its updates need no masks.
     dq_acc_rows = -(-seqlen_q // 128) * 128
     dq_acc = None
-    band_args = kernel_band(band, seqlen_q, seqlen_k)
-    dropout = _dropout_args(dropout_p, rng_state)
+    mask_args = plan.mask_args
 
     def launcher(c: BackwardConfig) -> Launcher | LaunchPair:
         key_tiles, query_tiles = -(-seqlen_k // c.block_n), -(-seqlen_q // c.block_n)
@@ -398,9 +396,9 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             "batch": batch, "heads": heads, "group": group, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
             "head_dim": head_dim, "dq_acc_rows": dq_acc_rows, "qk_scale": scale * kernels.LOG2E,
             "scale": scale, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
-            "CAUSAL": is_causal and band is None, "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o,
-            "INPUT_PRECISION": precision, "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase,
-            **band_args, **dropout, **_NOT_PACKED,
+            "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o, "INPUT_PRECISION": precision,
+            "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase, "Rng": rng_state, **mask_args,
+            **_NOT_PACKED,
         }  # fmt: skip
 
     def preprocess() -> None:  # D (less the gradient of L), and the atomic variant's dQ sum zeroed
@@ -454,7 +452,7 @@ def _packed_output(out: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def _varlen_args(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> dict[str, Any]:
-    return {"CuSeqlensQ": cu_seqlens_q, "CuSeqlensK": cu_seqlens_k, "VARLEN": True, **kernel_band(None, 0, 0)}
+    return {"CuSeqlensQ": cu_seqlens_q, "CuSeqlensK": cu_seqlens_k, "VARLEN": True}
 
 
 def triton_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -486,9 +484,9 @@ def triton_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     heads = q.shape[1]
     shared = {"L": lse, "Partials": None, "batch": batch, "heads": heads, "group": plan.problem.group,
               "seqlen_q": max_seqlen_q, "seqlen_k": max_seqlen_k, "head_dim": head_dim,
-              "qk_scale": plan.scale * kernels.LOG2E, "BLOCK_D": block_d, "CAUSAL": is_causal,
-              "INPUT_PRECISION": plan.problem.precision, "SPLIT_KV": False,
-              **_dropout_args(dropout_p, rng_state), **_varlen_args(cu_seqlens_q, cu_seqlens_k)}  # fmt: skip
+              "qk_scale": plan.scale * kernels.LOG2E, "BLOCK_D": block_d,
+              "INPUT_PRECISION": plan.problem.precision, "SPLIT_KV": False, "Rng": rng_state,
+              **plan.mask_args, **_varlen_args(cu_seqlens_q, cu_seqlens_k)}  # fmt: skip
 
     def launcher(c: ForwardConfig) -> Launcher:
         return Launcher(kernels.attn_fwd, (-(-max_seqlen_q // c.block_m) * batch * heads,), c)
@@ -541,9 +539,9 @@ def triton_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
               "O_S": o3 if delta_from_o else None, "O_T": o3 if delta_from_o else None,
               "batch": batch, "heads": heads, "group": plan.problem.group, "seqlen_q": max_seqlen_q,
               "seqlen_k": max_seqlen_k, "head_dim": head_dim, "dq_acc_rows": dq_acc_rows,
-              "qk_scale": scale * kernels.LOG2E, "scale": scale, "BLOCK_D": block_d, "CAUSAL": is_causal,
-              "DELTA_FROM_O": delta_from_o, "INPUT_PRECISION": plan.problem.precision,
-              **_dropout_args(dropout_p, rng_state), **_varlen_args(cu_seqlens_q, cu_seqlens_k)}  # fmt: skip
+              "qk_scale": scale * kernels.LOG2E, "scale": scale, "BLOCK_D": block_d,
+              "DELTA_FROM_O": delta_from_o, "INPUT_PRECISION": plan.problem.precision, "Rng": rng_state,
+              **plan.mask_args, **_varlen_args(cu_seqlens_q, cu_seqlens_k)}  # fmt: skip
 
     def launcher(c: BackwardConfig) -> Launcher | LaunchPair:
         key_tiles, query_tiles = -(-max_seqlen_k // c.block_n), -(-max_seqlen_q // c.block_n)
