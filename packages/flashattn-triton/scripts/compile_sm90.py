@@ -19,7 +19,9 @@ needs them added here.
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES[/ATOMIC_DQ][:FLAGS], FLAGS from transposed (the
 backward's TRANSPOSED_GRADS), dkdv or dq (one PHASE of the split backward), split (the forward's
 SPLIT_KV), band (BAND, a sliding window; CAUSAL off, as the launcher passes it), dropout (DROPOUT) and
-group (grouped-query attention: group a runtime integer rather than the constant 1), comma-separated.
+group (grouped-query attention: group a runtime integer rather than the constant 1) and varlen (VARLEN,
+packed sequences: pointers from which the kernels build each sequence's descriptors; the atomic dQ's sum
+still a host-built descriptor, unless --small), comma-separated.
 KERNELS_FILE compiles another version of _kernels.py (an experiment, an older commit's).
 """
 
@@ -59,6 +61,13 @@ def group_constexpr(flags: set) -> dict:
     return {} if "group" in flags else {"group": 1}
 
 
+def varlen_constexprs(flags: set) -> dict:
+    """The kernels' packed-sequence arguments: None and VARLEN off without the varlen flag."""
+    if "varlen" in flags:
+        return {"VARLEN": True}
+    return {"CuSeqlensQ": None, "CuSeqlensK": None, "VARLEN": False}
+
+
 def desc(ty: str, rows: int, cols: int, small: bool = False) -> str:
     return f"*{ty}" if small else f"tensordesc<{ty}[1, 1, {rows}, {cols}]>"
 
@@ -66,18 +75,19 @@ def desc(ty: str, rows: int, cols: int, small: bool = False) -> str:
 def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, flags: set, causal: bool,
                    small: bool):  # fmt: skip
     precision = "tf32x3" if ty == "fp32" else "tf32"
+    small = small or "varlen" in flags
     value = (block_d, block_n) if precision == "tf32x3" else (block_n, block_d)  # V transposed under tf32x3
     signature = {"Q": desc(ty, block_m, block_d, small), "K": desc(ty, block_n, block_d, small),
                  "V": desc(ty, *value, small), "Out": desc(ty, block_m, block_d, small), "L": "*fp32",
                  "Partials": "*fp32",
                  "batch": "i32", "heads": "i32", "seqlen_q": "i32", "seqlen_k": "i32", "head_dim": "i32",
                  "qk_scale": "fp32", "window_left": "i32", "window_right": "i32", "group": "i32",
-                 **DROPOUT_ARGUMENTS}  # fmt: skip
+                 "CuSeqlensQ": "*i32", "CuSeqlensK": "*i32", **DROPOUT_ARGUMENTS}  # fmt: skip
     split = "split" in flags
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
                   "CAUSAL": causal and "band" not in flags, "INPUT_PRECISION": precision, "SPLIT_KV": split,
                   "BAND": "band" in flags, "DROPOUT": "dropout" in flags,
-                  **group_constexpr(flags)}  # fmt: skip
+                  **group_constexpr(flags), **varlen_constexprs(flags)}  # fmt: skip
     constexprs.update(dict.fromkeys(["Out" if split else "Partials"]))
     # A KERNELS_FILE from before SPLIT_KV, BAND or DROPOUT lacks them and their arguments.
     signature = {name: x for name, x in signature.items()
@@ -88,6 +98,7 @@ def forward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, f
 
 def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, atomic: bool, flags: set,
                     causal: bool, small: bool):  # fmt: skip
+    pointers = small or "varlen" in flags  # (packed sequences: the kernels describe each sequence's rows)
     constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d,
                   "CAUSAL": causal and "band" not in flags, "BAND": "band" in flags,
                   "ATOMIC_DQ": atomic, "DELTA_FROM_O": False,
@@ -95,7 +106,7 @@ def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, 
                   "TRANSPOSED_GRADS": "transposed" in flags,
                   "PHASE": "dkdv" if "dkdv" in flags else "dq" if "dq" in flags else "both",
                   "O_S": None, "O_T": None, "DROPOUT": "dropout" in flags,
-                  **group_constexpr(flags)}  # fmt: skip
+                  **group_constexpr(flags), **varlen_constexprs(flags)}  # fmt: skip
     if not atomic:
         constexprs["DQ_ACC"] = None
     # A KERNELS_FILE from before TRANSPOSED_GRADS, PHASE, BAND and DROPOUT lacks them.
@@ -108,12 +119,14 @@ def backward_source(kernels, ty: str, block_d: int, block_m: int, block_n: int, 
             signature[name] = DROPOUT_ARGUMENTS[name]
         elif name in ("L", "Delta"):
             signature[name] = "*fp32"
+        elif name in ("CuSeqlensQ", "CuSeqlensK"):
+            signature[name] = "*i32"
         elif name in ("qk_scale", "scale"):
             signature[name] = "fp32"
         elif name == "DQ_ACC":
             signature[name] = desc("fp32", block_m, block_d, small)
         elif name.isupper():  # the inputs' tiles: BLOCK_M rows for the steps (_S), BLOCK_N for the own
-            signature[name] = desc(ty, block_m if name.endswith("_S") else block_n, block_d, small)
+            signature[name] = desc(ty, block_m if name.endswith("_S") else block_n, block_d, pointers)
         else:
             signature[name] = "i32"
     return kernels.attn_bwd, signature, constexprs

@@ -43,12 +43,20 @@ def assert_close_to(got: dict, want: dict, bound: float) -> None:
         assert error <= bound, f"{name}: max error {error:.2e} relative to max |reference|"
 
 
-def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> None:
+def assert_matches_torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse=None, bound=2e-5) -> dict:
+    """The feature kernels' results (returned) against the PyTorch path's."""
     got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out, grad_lse)
     want = run(torch_impl.attention_forward, torch_impl.attention_backward, args, grad_out, grad_lse)
     for name in NAMES:
         assert got[name].dtype == want[name].dtype, name
     assert_close_to(got, want, bound)
+    return got
+
+
+def assert_in_input_layouts(got: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """O and dQ with q's strides, dK with k's, dV with v's (SDPA's layouts for dense inputs)."""
+    strides = [got[name].stride() for name in ("out", "dq", "dk", "dv")]
+    assert strides == [t.stride() for t in (q, q, k, v)]
 
 
 def qkv(batch=2, q_heads=4, kv_heads=2, seqlen_q=37, seqlen_k=45, head_dim=16, dtype=torch.float32):
@@ -100,10 +108,24 @@ def test_dropout_with_a_mask_and_a_gradient_through_lse():
     assert_matches_torch_path(args, grad_out, torch.randn(q.shape[:-1]))
 
 
+def test_dropout_p_one_drops_everything_in_the_feature_kernels():
+    """dropout_p=1 with a mask: output and gradients 0 (as SDPA's), the log-sum-exp the softmax's."""
+    q, k, v, grad_out = qkv()
+    args = op_arguments(q, k, v, torch.randn(37, 45), dropout_p=1.0, enable_gqa=True)
+    got = run(feature_impl.feature_forward, feature_impl.feature_backward, args, grad_out)
+    for name in ("out", "dq", "dk", "dv"):
+        assert not got[name].any(), name
+    undropped = run(torch_impl.attention_forward, torch_impl.attention_backward, args._replace(dropout_p=0.0),
+                    grad_out)  # fmt: skip
+    torch.testing.assert_close(got["lse"], undropped["lse"])
+
+
 def test_transposed_layouts_and_float16():
     q, k, v, grad_out = qkv(dtype=torch.float16)
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))  # (B, T, H, d) memory
-    assert_matches_torch_path(op_arguments(q, k, v, enable_gqa=True, is_causal=True), grad_out, bound=4e-3)
+    got = assert_matches_torch_path(op_arguments(q, k, v, enable_gqa=True, is_causal=True), grad_out,
+                                    bound=4e-3)  # fmt: skip
+    assert_in_input_layouts(got, q, k, v)
 
 
 def test_varlen_with_gqa_causal_and_dropout():
@@ -211,6 +233,7 @@ def _gqa_tuned_kernels(sdpa_gqa, case: str, configs: str) -> None:
     got = dict(zip(NAMES, (out, lse, *grads), strict=True))
     assert_close_to(got, sdpa_gqa(q, k, v, grad_out, grad_lse, is_causal, 0.3),
                     2e-5 if dtype == torch.float32 else 4e-3)  # fmt: skip
+    assert_in_input_layouts(got, q, k, v)
 
 
 @pytest.mark.parametrize("configs", GQA_CONFIGS)
@@ -227,6 +250,7 @@ def test_gqa_tuned_kernels_with_device_side_descriptors(monkeypatch, sdpa_gqa, c
     monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     monkeypatch.setattr(triton_impl, "_plans", {})  # not the host-described plans of the tests before
     _gqa_tuned_kernels(sdpa_gqa, "full-group4-tq<tk", configs)
+    _gqa_tuned_kernels(sdpa_gqa, "causal-group4-tq>tk-transposed", configs)  # packed, then copied back
 
 
 def test_flash_attention_triton_keeps_refusing_fewer_key_heads():

@@ -25,7 +25,7 @@ from flashattn_triton import (
     triton_impl,
 )
 from flashattn_triton._configs import INTERPRETER_FORWARD, BackwardConfig, ForwardConfig
-from flashattn_triton._dropout import Dropout, draw_rng
+from flashattn_triton._dropout import Dropout, draw_rng, effective_p
 from flashattn_triton._inputs import tf32_parts
 from flashattn_triton.triton_impl import triton_backward, triton_forward
 
@@ -114,6 +114,49 @@ def test_split_key_tiles_give_the_same_attention_and_gradients(problem, case):
     p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
     (plan,) = [plan for key, plan in triton_impl._plans.items() if key[0] == "fwd"]
     assert type(plan.launch).__name__ == "LaunchPair"
+
+
+LAYOUT_CASES = {  # name: (fused, head dim, forward config, backward config); None: the interpreter's default
+    "default": (False, 16, None, None),
+    "fused-qkv": (True, 16, None, None),
+    "kv-splits-atomic-dq": (False, 16, ForwardConfig(16, 16, 4, 1, kv_splits=2),
+                            BackwardConfig(16, 32, 4, 1, atomic_dq=True)),
+    "split": (False, 16, None, BackwardConfig(32, 16, 4, 1, split=True, dq_block_m=16)),
+    "padded-head-dim": (False, 6, ForwardConfig(16, 16, 4, 1, kv_splits=2), None),  # rows of 24 bytes
+}
+
+
+@pytest.mark.parametrize("descriptors", ["host", "kernel"])
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_outputs_and_gradients_in_the_inputs_layouts(problem, monkeypatch, case, descriptors):
+    """Inputs of (B, T, H, d) memory (or thirds of one fused projection) give O, dQ, dK, dV in packed
+    (B, T, H, d) memory, as SDPA's: written in place through host-built descriptors (and by the split
+    forward's combine, through strides), through a packed tensor copied back where the kernels build
+    their own descriptors or pad the head dim."""
+    fused, head_dim, forward, backward = LAYOUT_CASES[case]
+    if descriptors == "kernel":
+        monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
+    in_place = []
+    kernel_output = _inputs.kernel_output
+
+    def recording(out, *args):
+        x4 = kernel_output(out, *args)
+        in_place.append(x4.data_ptr() == out.data_ptr())
+        return x4
+
+    monkeypatch.setattr(_inputs, "kernel_output", recording)
+    p = problem((2, 3), 21, 21 if fused else 19, head_dim, torch.float32, True, scale=0.3)  # (one projection)
+    packed = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (p.q, p.k, p.v, p.grad_out)]
+    q, k, v, grad_out = packed
+    if fused:  # (B, T, 3, H, d) memory
+        q, k, v = torch.stack([t.transpose(1, 2) for t in (q, k, v)], 2).permute(2, 0, 3, 1, 4)
+    out, lse = triton_forward(q, k, v, True, 0.3, forward)
+    grads = triton_backward(q, k, v, out, lse, grad_out, True, 0.3, backward)
+    p.assert_close({"out": out, "lse": lse, "dq": grads[0], "dk": grads[1], "dv": grads[2]})
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.stride() == sdpa.stride() == packed[0].stride()
+    assert [g.stride() for g in grads] == [t.stride() for t in packed[:3]]
+    assert len(in_place) == 4 and all(in_place) == (descriptors == "host" and head_dim == 16)
 
 
 TRANSPOSED_CASES = [  # (leading dims, Tq, Tk, d, causal, dtype)
@@ -558,8 +601,8 @@ def test_dropout_with_split_key_tiles(problem, kv_splits):
 def test_tuned_and_feature_kernels_drop_the_same_probabilities(is_causal):
     """With V the identity, O = P∘M / (1 - p) shows each kept probability: the tuned kernels, the feature
     kernels and Dropout.scale_tile (the PyTorch path's mask) keep exactly the same ones, on ragged tiles
-    (Tk not a multiple of 4), and the results agree to float32 accuracy."""
-    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 2, 29, 23, 32
+    (Tk not a multiple of 16), and the results agree to float32 accuracy."""
+    batch, heads, seqlen_q, seqlen_k, head_dim = 2, 2, 29, 30, 32
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seqlen_q, head_dim, generator=generator)
     k = torch.randn(batch, heads, seqlen_k, head_dim, generator=generator)
@@ -577,20 +620,44 @@ def test_tuned_and_feature_kernels_drop_the_same_probabilities(is_causal):
     _assert_same(tuned, features)
 
 
-def test_kept_fraction_is_within_a_binomial_bound():
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_kept_fraction_is_within_a_binomial_bound(dropout_p):
     """The tuned kernel's kept probabilities (read off O with V the identity) over 16384 of them: their
-    fraction, and that of each of the four Philox outputs (keys j % 4), within 5 standard deviations of
-    1 - p."""
-    dropout_p, batch_heads, seqlen_q, seqlen_k = 0.2, 4, 128, 32
+    fraction, and that of each of the 16 bytes of the Philox calls (keys j % 16), within 5 standard
+    deviations of 1 - effective p; each kept one scaled by 1 / (1 - effective p)."""
+    batch_heads, seqlen_q, seqlen_k = 4, 128, 32
     q = torch.zeros(1, batch_heads, seqlen_q, seqlen_k)  # equal scores: P = 1 / Tk, never 0
     v = torch.eye(seqlen_k).expand(1, batch_heads, -1, -1).contiguous()
     torch.manual_seed(1)
     out, _ = triton_forward(q, q[:, :, :seqlen_k], v, False, 1.0, dropout_p=dropout_p,
                             rng_state=draw_rng(q.device))  # fmt: skip
-    kept = (out != 0).reshape(-1, 4).double()  # columns: the four outputs of each Philox call
+    dropped = effective_p(dropout_p)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / seqlen_k / (1 - dropped)))
+    kept = kept.reshape(-1, 16).double()  # columns: the 16 bytes of each Philox call
     for sample in (kept, *kept.T):
-        bound = 5 * (dropout_p * (1 - dropout_p) / sample.numel()) ** 0.5
-        assert abs(sample.mean().item() - (1 - dropout_p)) <= bound, (sample.mean().item(), bound)
+        bound = 5 * (dropped * (1 - dropped) / sample.numel()) ** 0.5
+        assert abs(sample.mean().item() - (1 - dropped)) <= bound, (sample.mean().item(), bound)
+
+
+@pytest.mark.parametrize("backward", ["default", "atomic-dq", "transposed"])
+def test_dropout_p_one_drops_everything_in_the_tuned_kernels(problem, backward, monkeypatch):
+    """flash_attention(dropout_p=1) on the tuned kernels: output and gradients 0, as SDPA's; the log-sum-exp
+    that of the softmax without dropout."""
+    no_feature_kernels(monkeypatch)
+    p = problem((2, 2), 30, 41, 16, torch.float32, True)
+    q, k, v = p.inputs()
+    out, lse = flash_attention(q, k, v, dropout_p=1.0, is_causal=True, scale=0.3, return_lse=True)
+    out.backward(p.grad_out)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), strict=True):
+        assert not t.any(), name
+    _, undropped = triton_forward(p.q, p.k, p.v, True, 0.3)
+    torch.testing.assert_close(lse.detach(), undropped)
+    drop = {"dropout_p": 1.0, "rng_state": draw_rng(p.q.device)}
+    grads = triton_backward(p.q, p.k, p.v, out.detach(), lse.detach(), p.grad_out, True, 0.3,
+                            DROPOUT_BACKWARDS[backward], **drop)  # fmt: skip
+    for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert not g.any(), name
 
 
 def test_flash_attention_with_dropout_runs_the_tuned_kernels(problem, monkeypatch):

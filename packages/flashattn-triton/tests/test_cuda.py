@@ -592,6 +592,44 @@ def test_opcheck_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused", [False, True], ids=["transposed", "fused-qkv"])
+def test_outputs_and_gradients_in_the_inputs_layouts(monkeypatch, dtype, fused):
+    """q, k, v as a model passes them ((B, T, H, d) memory, or thirds of one fused projection): O, dQ, dK,
+    dV in packed (B, T, H, d) memory as SDPA's, written in place where the host builds the descriptors
+    (Hopper), with SDPA's values; opcheck's fake and real strides agree."""
+    in_place = []
+    kernel_output = _inputs.kernel_output
+
+    def recording(out, *args):
+        x4 = kernel_output(out, *args)
+        in_place.append(x4.data_ptr() == out.data_ptr())
+        return x4
+
+    monkeypatch.setattr(_inputs, "kernel_output", recording)
+    batch, heads, seqlen, head_dim = 2, 4, 256, 64
+    x = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=dtype)
+    if fused:
+        q, k, v = x.permute(2, 0, 3, 1, 4)
+    else:
+        q, k, v = (x[:, :, i].contiguous().transpose(1, 2) for i in range(3))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, is_causal=True)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    packed = torch.empty(batch, seqlen, heads, head_dim).transpose(1, 2).stride()
+    assert [t.stride() for t in (out, *grads)] == [packed] * 4
+    assert in_place and all(in_place) == _inputs.host_descriptors(q.device)
+    want = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    want_grads = torch.autograd.grad(want, leaves, grad_out)
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-3  # (a misplaced row is off by O(1))
+    for got, expected in zip((out, *grads), (want, *want_grads), strict=True):
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    torch.library.opcheck(ops.attn_fwd, (*leaves, *OPTIONS))
+    op_out, lse = ops.attn_fwd(q, k, v, *OPTIONS)
+    torch.library.opcheck(ops.attn_bwd, (grad_out, None, q, k, v, op_out, lse, *OPTIONS, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_eager_calls_skip_the_dispatcher_with_the_ops_results(dtype):
     """flash_attention in eager mode runs the ops' implementations under a plain autograd Function (host
     time): bitwise the results and gradients of the op; a dispatch mode still sees the op."""

@@ -211,6 +211,21 @@ def test_dropout_follows_torch_manual_seed_on_cuda():
     assert not torch.equal(results[0][0], results[2][0])
 
 
+@pytest.mark.parametrize("mask", [None, "float"], ids=["tuned-kernels", "feature-kernels"])
+def test_dropout_p_one_drops_everything_on_cuda(mask):
+    """dropout_p=1: output and gradients 0, as SDPA's (math semantics), on the tuned kernels and, with a
+    mask, on the feature kernels; the log-sum-exp is the softmax's."""
+    q, k, v, grad_out = qkv(2, 4, 4, 300, 300, 64, torch.bfloat16)
+    attn_mask = None if mask is None else _mask((300, 300), mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attention(*leaves, attn_mask, dropout_p=1.0, return_lse=True)
+    out.backward(grad_out)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)), strict=True):
+        assert not t.any(), name
+    _, undropped = flash_attention(q, k, v, attn_mask, return_lse=True)
+    torch.testing.assert_close(lse.detach(), undropped)
+
+
 def captured(step):
     """(step's results run eagerly, its results from the replay of a CUDA graph that captured it). The
     warm-up runs on a side stream, as torch.cuda.graph asks, and keeps no autograd graph alive: an
@@ -508,3 +523,77 @@ def test_gqa_on_every_tuned_candidate_matches_sdpa(sdpa_gqa, dtype, head_dim, is
                                             grad_lse=grad_lse)  # fmt: skip
         torch.cuda.synchronize()
         assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)
+
+
+def packed_problem(dtype, lengths_q, lengths_k, q_heads=8, kv_heads=2, head_dim=64, **options):
+    """Packed q, k, v and dO between NaN guard rows, and their OpArguments (GQA allowed)."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(lengths_q), q_heads, head_dim, device="cuda", generator=generator).to(dtype)
+    k, v = (torch.randn(sum(lengths_k), kv_heads, head_dim, device="cuda", generator=generator).to(dtype)
+            for _ in range(2))  # fmt: skip
+    grad_out = torch.randn(q.shape, device="cuda", generator=generator).to(dtype)
+    q, k, v, grad_out = (inside_nan_guards(t) for t in (q, k, v, grad_out))
+    cumulative = lambda n: torch.tensor(  # noqa: E731
+        [0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+    )
+    args = varlen_op_arguments(q, k, v, cumulative(lengths_q), cumulative(lengths_k), max(lengths_q),
+                               max(lengths_k), enable_gqa=True, **options)  # fmt: skip
+    return args, grad_out
+
+
+def tuned_varlen(args: OpArguments, grad_out: torch.Tensor, backward=None, deterministic=False) -> dict:
+    varlen = (args.cu_seqlens_q, args.cu_seqlens_k, args.max_seqlen_q, args.max_seqlen_k)
+    causal, dropout = args.window_right == 0, {"dropout_p": args.dropout_p, "rng_state": args.rng_state}
+    out, lse = triton_impl.triton_varlen_forward(args.q, args.k, args.v, *varlen, causal, args.scale,
+                                                 **dropout)  # fmt: skip
+    grads = triton_impl.triton_varlen_backward(args.q, args.k, args.v, out, lse, grad_out, *varlen, causal,
+                                               args.scale, backward, deterministic=deterministic,
+                                               **dropout)  # fmt: skip
+    return dict(zip(NAMES, (out, lse, *grads), strict=True))
+
+
+VARLEN_BACKWARDS = {  # name: backward config at d = 64, 16-bit (None: the tuned choice)
+    "tuned": None,
+    "atomic-dq": _configs.BackwardConfig(64, 64, 4, 3, atomic_dq=True),
+    "one-launch": _configs.BackwardConfig(32, 64, 4, 3),
+    "split": _configs.BackwardConfig(32, 64, 4, 2, split=True, dq_block_m=16),
+    "transposed-grads": _configs.BackwardConfig(32, 64, 4, 3, transposed_grads=True),
+}
+
+
+@pytest.mark.parametrize("backward", VARLEN_BACKWARDS)
+@pytest.mark.parametrize("options", [{"is_causal": True}, {}, {"dropout_p": 0.1, "is_causal": True}],
+                         ids=["causal", "full", "causal-dropout"])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_varlen_tuned_kernels_match_float64(dtype, options, backward):
+    """Packed sequences on the tuned kernels (VARLEN): short, empty, key-longer and query-longer sequences,
+    one without keys (O 0, L -inf), GQA 4:1, each backward variant; inputs between NaN guard rows."""
+    torch.manual_seed(0)
+    args, grad_out = packed_problem(dtype, [130, 1, 400, 0, 77, 20], [130, 50, 310, 3, 77, 0], **options)
+    got = tuned_varlen(args, grad_out, VARLEN_BACKWARDS[backward])
+    torch.cuda.synchronize()  # a fault is this case's, not the next test's
+    assert_close(got, float64_torch_path(args, grad_out), dtype)
+
+
+def test_varlen_tuned_kernels_deterministic_backward_is_bitwise_repeatable():
+    args, grad_out = packed_problem(torch.bfloat16, [700, 33, 1000], [700, 33, 1000], is_causal=True)
+    first, second = (tuned_varlen(args, grad_out, deterministic=True) for _ in range(2))
+    for name in NAMES:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_flash_attention_varlen_runs_the_tuned_kernels_on_cuda(monkeypatch):
+    """No mask or window: flash_attention_varlen's forward and backward never reach the feature kernels."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the feature kernels ran")
+
+    monkeypatch.setattr(feature_impl, "feature_forward", refuse)
+    monkeypatch.setattr(feature_impl, "feature_backward", refuse)
+    args, grad_out = packed_problem(torch.bfloat16, [513, 7, 1200], [513, 7, 1200], is_causal=True)
+    tensors = [t.detach().clone().requires_grad_() for t in (args.q, args.k, args.v)]
+    out = flash_attention_varlen(*tensors, args.cu_seqlens_q, args.cu_seqlens_k, 1200, 1200, is_causal=True,
+                                 enable_gqa=True)  # fmt: skip
+    out.backward(grad_out)
+    got = {"out": out, "dq": tensors[0].grad, "dk": tensors[1].grad, "dv": tensors[2].grad}
+    assert_close(got, float64_torch_path(args, grad_out), torch.bfloat16, ("out", "dq", "dk", "dv"))

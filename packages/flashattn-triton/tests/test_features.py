@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from flashattn_triton import flash_attention, flash_attention_varlen, torch_impl
-from flashattn_triton._dropout import Dropout, draw_rng, philox, threshold
+from flashattn_triton._dropout import Dropout, draw_rng, effective_p, kept_scale, philox, threshold
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
 
@@ -212,7 +212,7 @@ def test_dropout_matches_reference_with_the_same_mask():
     torch.manual_seed(0)
     args = op_arguments(q, k, v, dropout_p=0.3)
     scale = dropout_scale(args)
-    assert abs((scale == 0).double().mean().item() - 0.3) < 0.02
+    assert abs((scale == 0).double().mean().item() - effective_p(0.3)) < 0.02
     check(torch_path(args, grad_out), reference(q, k, v, grad_out, dropout_scale=scale))
 
 
@@ -234,7 +234,6 @@ def test_philox_is_tritons_randint4x():
     counters = torch.tensor([0, 1, 2, 3, 2**32 + 7])
     got = torch.stack(philox(torch.tensor(1234), counters), -1)
     assert got.tolist() == PHILOX4X_1234
-    assert threshold(0.0) == 0 and threshold(0.5) == 2**31
 
 
 PHILOX4X_1234 = [  # from tl.randint4x, Triton 3.9
@@ -246,30 +245,67 @@ PHILOX4X_1234 = [  # from tl.randint4x, Triton 3.9
 ]
 
 
-def test_four_adjacent_keys_share_one_philox_call():
-    """Key j of a row takes output j % 4 of the call at offset + row * ceil(Tk / 4) + j // 4 (rows padded to
-    whole calls), whatever tile of keys asks: every ragged tile of a row reads the same numbers."""
+def test_p_is_rounded_to_256ths_and_the_scale_keeps_the_expectation():
+    """p drops bytes below round(p * 256): the nearest multiple of 1/256, at least 1/256 and at most 255/256
+    for 0 < p < 1 (never no dropout, never all), exactly 0 and 1 at the ends; kept ones are scaled by
+    1 / (1 - effective p), so the expected scale of a probability is 1."""
+    for dropout_p in (1e-4, 0.01, 0.1, 0.3, 0.5, 0.9, 0.999, 1 - 1e-9):
+        nearest = min(range(1, 256), key=lambda t: abs(t / 256 - dropout_p))
+        assert threshold(dropout_p) == nearest and effective_p(dropout_p) == nearest / 256
+        assert (1 - effective_p(dropout_p)) * kept_scale(dropout_p) == pytest.approx(1.0, rel=1e-15)
+    assert (threshold(0.0), kept_scale(0.0)) == (0, 1.0)
+    assert (threshold(1.0), kept_scale(1.0)) == (256, 0.0)  # every byte is below 256
+
+
+def test_sixteen_adjacent_keys_share_one_philox_call():
+    """Key j of a row takes byte j % 16 of the call at offset + row * ceil(Tk / 16) + j // 16 (rows padded
+    to whole calls), the call's four 32-bit outputs laid out little-endian in order; whatever tile of keys
+    asks, every ragged tile of a row reads the same bytes."""
     rng = torch.tensor([1234, 5])
-    dropout = Dropout.dense(0.5, rng, heads=2, seqlen_q=3, seqlen_k=10)
+    dropout = Dropout.dense(0.5, rng, heads=2, seqlen_q=3, seqlen_k=40)
     assert (dropout.stride_b, dropout.stride_h, dropout.stride_i) == (18, 9, 3)
-    whole = dropout.scale_tile(2, 2, range(3), range(10))
-    numbers = torch.stack(philox(rng[0], torch.arange(36) + 5), -1).view(2, 2, 3, 12)[..., :10]
-    assert torch.equal(whole, (numbers >= 2**31).float() * 2.0)
-    for start, stop in ((0, 3), (3, 10), (5, 6), (4, 8)):
+    whole = dropout.scale_tile(2, 2, range(3), range(40))
+    outputs = torch.stack(philox(rng[0], torch.arange(36) + 5), -1)  # (calls, 4) uint32 values in int64
+    little_endian = outputs.contiguous().view(torch.uint8).view(36, 4, 8)[..., :4]  # each int64's low bytes
+    random_bytes = little_endian.reshape(2, 2, 3, 48)[..., :40].long()
+    assert torch.equal(whole, (random_bytes >= 128).float() * 2.0)
+    for start, stop in ((0, 3), (3, 40), (15, 17), (16, 32), (20, 39)):
         tile = dropout.scale_tile(2, 2, range(1, 3), range(start, stop))
         assert torch.equal(tile, whole[:, :, 1:, start:stop])
 
 
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
 def test_kept_fraction_is_within_a_binomial_bound(dropout_p):
-    """Over 2 x 4 x 128 x 257 probabilities, the kept fraction and that of each Philox output (keys j % 4)
-    lie within 5 standard deviations of 1 - p."""
+    """Over 2 x 4 x 128 x 257 probabilities, the kept fraction and that of each byte of the Philox calls
+    (keys j % 16) lie within 5 standard deviations of 1 - effective p, and the mean scale within as many
+    of 1 (the expectation dropout keeps)."""
     torch.manual_seed(0)
     dropout = Dropout.dense(dropout_p, draw_rng(torch.device("cpu")), 4, 128, 257)
-    kept = dropout.scale_tile(2, 4, range(128), range(257)) != 0
-    for sample in (kept, *(kept[..., j::4] for j in range(4))):
-        bound = 5 * (dropout_p * (1 - dropout_p) / sample.numel()) ** 0.5
-        assert abs(sample.double().mean().item() - (1 - dropout_p)) <= bound
+    scale = dropout.scale_tile(2, 4, range(128), range(257))
+    kept, dropped = scale != 0, effective_p(dropout_p)
+    for sample in (kept, *(kept[..., j::16] for j in range(16))):
+        bound = 5 * (dropped * (1 - dropped) / sample.numel()) ** 0.5
+        assert abs(sample.double().mean().item() - (1 - dropped)) <= bound
+    bound = 5 * (dropped / (1 - dropped) / scale.numel()) ** 0.5  # the scale's variance: p / (1 - p)
+    assert abs(scale.double().mean().item() - 1.0) <= bound
+
+
+def test_dropout_p_one_drops_everything_as_sdpa_does():
+    """dropout_p=1: output and gradients 0, as SDPA's; the log-sum-exp is the softmax's, as without
+    dropout."""
+    q, k, v, grad_out = inputs(2, 2, 2, 20, 35, 16)
+    results = []
+    for attention, options in ((flash_attention, {"return_lse": True}), (F.scaled_dot_product_attention, {})):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        result = attention(*leaves, dropout_p=1.0, is_causal=True, **options)
+        out = result[0] if isinstance(result, tuple) else result
+        out.backward(grad_out)
+        results.append((result, [out.detach(), *(t.grad for t in leaves)]))
+    (_, lse), got = results[0]
+    for g, w in zip(got, results[1][1], strict=True):
+        assert torch.equal(g, w) and not w.any()
+    _, undropped = flash_attention(q, k, v, is_causal=True, return_lse=True)
+    torch.testing.assert_close(lse.detach(), undropped)
 
 
 def test_draw_rng_uses_the_default_generator():
@@ -386,7 +422,8 @@ BAD_INPUTS = [
     ("window_size must be None or a pair", lambda: (_qkv(), {"window_size": 4})),
     ("need enable_gqa=True", lambda: (_qkv(4, 2), {})),
     ("must divide the number of heads in query", lambda: (_qkv(6, 4), {"enable_gqa": True})),
-    ("dropout_p must be in \\[0, 1\\)", lambda: (_qkv(), {"dropout_p": 1.0})),
+    ("dropout_p must be in \\[0, 1\\], got 1.5", lambda: (_qkv(), {"dropout_p": 1.5})),
+    ("dropout_p must be in \\[0, 1\\], got -0.1", lambda: (_qkv(), {"dropout_p": -0.1})),
     ("attn_mask requires grad", lambda: (_qkv(), {"attn_mask": torch.zeros(8, 8, requires_grad=True)})),
     ("dropout_p must be a Python float", lambda: (_qkv(), {"dropout_p": torch.tensor(0.1)})),
     ("enable_gqa must be a bool", lambda: (_qkv(), {"enable_gqa": 1})),

@@ -193,3 +193,111 @@ def test_a_first_call_imports_neither_dynamo_nor_sympy():
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def _layout(shape, layout):
+    """A random (B, H, T, d) tensor: contiguous, a (B, T, H, d) tensor's transpose (what a model's
+    ``proj(x).view(B, T, H, d).transpose(1, 2)`` passes), a fused qkv projection's third (not dense: what
+    benchmarks.model passes) or not dense along d (every other d of a wider tensor)."""
+    batch, heads, seqlen, head_dim = shape
+    if layout == "contiguous":
+        return torch.randn(shape)
+    if layout == "transposed":
+        return torch.randn(batch, seqlen, heads, head_dim).transpose(1, 2)
+    if layout == "fused":
+        return torch.randn(batch, seqlen, 3, heads, head_dim).permute(2, 0, 3, 1, 4)[0]
+    return torch.randn(batch, heads, seqlen, 2 * head_dim)[..., ::2]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused", "not-dense"])
+def test_outputs_and_gradients_take_sdpa_layouts(layout):
+    """Outputs and gradients dense in their inputs' order of dims, as SDPA allocates them: the input's
+    strides where it is dense, (B, T, H, d) memory for a fused projection's view, contiguous where d is
+    strided. SDPA's output agrees on every layout; its gradients where they are (B, T, H, d) memory,
+    which its CPU backward returns whatever its inputs."""
+    torch.manual_seed(0)
+    shape = (2, 3, 11, 8)
+    q, k, v = (_layout(shape, layout).requires_grad_() for _ in range(3))
+    out = flash_attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    contiguous, transposed = torch.empty(shape).stride(), _layout(shape, "transposed").stride()
+    packed = {"contiguous": contiguous, "not-dense": contiguous, "transposed": transposed,
+              "fused": transposed}
+    assert out.stride() == want.stride() == packed[layout]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    for got, expected in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert got.stride() == packed[layout]
+        if layout in ("transposed", "fused"):
+            assert got.stride() == expected.stride()
+
+
+def test_opcheck_with_transposed_inputs():
+    """Fake and real strides agree (opcheck compares them) where the outputs follow transposed inputs."""
+    q, k, v = (_layout((2, 3, 13, 16), "transposed") for _ in range(3))
+    torch.library.opcheck(ops.attn_fwd, forward_args(q, k, v, True))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    torch.library.opcheck(ops.attn_fwd, forward_args(*leaves, True))
+    out, lse = ops.attn_fwd(*forward_args(q, k, v, True))
+    assert out.stride() == q.stride()
+    grad_out = torch.randn(2, 13, 3, 16).transpose(1, 2)  # as autograd brings it from out.transpose(1, 2)
+    torch.library.opcheck(ops.attn_bwd, (grad_out, None, q, k, v, out, lse, *forward_args(q, k, v, True)[3:],
+                                         False))  # fmt: skip
+
+
+class _Attention(torch.nn.Module):
+    """Attention on views of projections: q, k, v of their own (dense (B, T, H, d) memory) or thirds of one
+    fused projection (benchmarks.model's, not dense)."""
+
+    def __init__(self, attention, fused: bool, d_model: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.attention, self.heads, self.fused = attention, heads, fused
+        width, count = (3 * d_model, 1) if fused else (d_model, 3)
+        self.projections = torch.nn.ModuleList(torch.nn.Linear(d_model, width) for _ in range(count))
+        self.proj = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        batch, seqlen, d_model = x.shape
+        if self.fused:
+            q, k, v = self.projections[0](x).view(batch, seqlen, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        else:
+            q, k, v = (p(x).view(batch, seqlen, self.heads, -1).transpose(1, 2) for p in self.projections)
+        y = self.attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seqlen, d_model)
+        return self.proj(y)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+def test_compiled_transposes_are_views_as_with_sdpa(fused):
+    """Compiled (fullgraph), the model's transpose back of the output is a view (no aten.clone in the
+    forward graph), and the graphs copy as often as SDPA's (separate projections: never, also for dQ, dK,
+    dV; fused: once, stacking the gradients back into the projection's), with SDPA's results."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def run(attention):
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        torch.manual_seed(0)
+        model = _Attention(attention, fused)
+        x = torch.randn(2, 12, 32, requires_grad=True)
+        backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        out = compiled(x)
+        grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+        assert len(graphs) == 2
+        clones = [sum(node.target is torch.ops.aten.clone.default for node in g.graph.nodes) for g in graphs]
+        return out, grads, clones
+
+    out, grads, clones = run(flash_attention)
+    want, want_grads, want_clones = run(F.scaled_dot_product_attention)
+    assert clones == want_clones and clones[0] == 0
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

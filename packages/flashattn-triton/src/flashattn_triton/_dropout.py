@@ -4,13 +4,21 @@ forward's mask instead of storing it.
 A call draws ``rng = (seed, offset)`` (int64, shape (2,)) from torch's default generator for the device
 (:func:`draw_rng`), so ``torch.manual_seed(s)`` before two calls gives the same masks. One Philox4x32-10
 call (Triton's ``tl.randint4x``: key = the seed's two halves, counter = (c, its high half, 0, 0)) gives
-four 32-bit numbers, one each for four adjacent keys of a row: probability (b, h, i, j) takes output
-j % 4 of the call at c = offset + b * stride_b + h * stride_h + i * stride_i + j // 4, the rows being
-``ceil(Tk / 4)`` calls apart (:meth:`Dropout.dense`). That is element n of the row-major (B, H, Tq, Tk)
-counter space, its rows padded to a multiple of 4 keys, taking output n % 4 of the call at offset + n // 4;
-a kernel's key tiles start at multiples of 4, so they need one call per 4 keys. Probability is kept iff
-its number is at least ``threshold(p) = round(p * 2**32)``; kept ones are scaled by 1 / (1 - p).
-:func:`philox` computes the same numbers as ``tl.randint4x`` with int64 tensor arithmetic on any device,
+four 32-bit outputs r0..r3, 16 bytes, one each for 16 adjacent keys of a row (8-bit randoms, as in
+FlashAttention-2): key j of the group takes byte j % 4 of output j // 4, bytes counted from the least
+significant (the 16 bytes of r0..r3 stored little-endian, in order). Probability (b, h, i, j) takes byte
+j % 16 of the call at c = offset + b * stride_b + h * stride_h + i * stride_i + j // 16, the rows being
+``ceil(Tk / 16)`` calls apart (:meth:`Dropout.dense`). That is element n of the row-major (B, H, Tq, Tk)
+counter space, its rows padded to a multiple of 16 keys, taking byte n % 16 of the call at offset + n // 16;
+a kernel's key tiles start at multiples of 16, so they need one call per 16 keys.
+
+A probability is dropped iff its byte is below ``threshold(p)``: round(p * 256), kept within [1, 255] for
+0 < p < 1, 0 for p = 0 and 256 (every byte) for p = 1. So p is rounded to a multiple of 1/256, the
+effective p = threshold(p) / 256 (:func:`effective_p`; 0.1 becomes 26/256 = 0.1015625), and kept ones are
+scaled by ``kept_scale(p)`` = 1 / (1 - effective p), which keeps the expectation exact for it. (SDPA's
+flash backend also draws bytes, keeping one iff it is at most floor((1 - p) * 255): it drops with
+probability (255 - floor((1 - p) * 255)) / 256, 0.1015625 for p = 0.1, but scales by 1 / (1 - p).)
+:func:`philox` computes the same outputs as ``tl.randint4x`` with int64 tensor arithmetic on any device,
 so the PyTorch path and the kernels drop the same probabilities.
 """
 
@@ -39,9 +47,28 @@ def check_rng(dropout_p: float, rng_state: torch.Tensor | None) -> None:
         raise ValueError("dropout_p > 0 needs rng_state, the (seed, offset) of _dropout.draw_rng")
 
 
+BYTE_VALUES = 256  # a probability's random number is one byte of a Philox output
+
+
 def threshold(dropout_p: float) -> int:
-    """A 32-bit random number r drops its probability iff r < threshold(dropout_p)."""
-    return min(round(dropout_p * 2**32), _MASK32)
+    """A byte b drops its probability iff b < threshold(dropout_p): the nearest multiple of 1/256 to p, in
+    256ths, kept within [1, 255] for 0 < p < 1 (dropout that neither vanishes nor drops everything), 0 for
+    p = 0 and 256 for p = 1 (every probability dropped, as SDPA does)."""
+    if dropout_p in (0.0, 1.0):
+        return int(dropout_p * BYTE_VALUES)
+    return min(max(round(dropout_p * BYTE_VALUES), 1), BYTE_VALUES - 1)
+
+
+def effective_p(dropout_p: float) -> float:
+    """The probability that dropout_p actually drops: threshold(dropout_p) / 256."""
+    return threshold(dropout_p) / BYTE_VALUES
+
+
+def kept_scale(dropout_p: float) -> float:
+    """The factor of kept probabilities: 1 / (1 - effective_p(dropout_p)), 256 over the bytes that keep;
+    0 for p = 1, which keeps none."""
+    kept_bytes = BYTE_VALUES - threshold(dropout_p)
+    return BYTE_VALUES / kept_bytes if kept_bytes else 0.0
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +95,7 @@ def philox(seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...
     return c0, c1, c2, c3
 
 
-KEYS_PER_CALL = 4  # Philox4x32's outputs: one call serves four adjacent keys of a row
+KEYS_PER_CALL = 16  # the bytes of Philox4x32's four 32-bit outputs: one call serves 16 adjacent keys
 
 
 def calls_per_row(seqlen_k: int) -> int:
@@ -79,8 +106,8 @@ def calls_per_row(seqlen_k: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Dropout:
     """The dropout of one problem: probability p, rng = (seed, offset), and the counter strides (in Philox
-    calls) of a (batch, head, query row) step; key j of a row takes output j % 4 of the call at
-    offset + base + those steps + j // 4."""
+    calls) of a (batch, head, query row) step; key j of a row takes byte j % 16 of the call at
+    offset + base + those steps + j // 16."""
 
     p: float
     rng: torch.Tensor
@@ -104,7 +131,7 @@ class Dropout:
         return cls(p, rng, 0, total_q * row, row, first_row * row)
 
     def scale_tile(self, batch: int, heads: int, rows: range, cols: range) -> torch.Tensor:
-        """float32 (batch, heads, len(rows), len(cols)): 1 / (1 - p) where kept, 0 where dropped."""
+        """float32 (batch, heads, len(rows), len(cols)): kept_scale(p) where kept, 0 where dropped."""
         device = self.rng.device
         first_call, end_call = cols.start // KEYS_PER_CALL, -(-cols.stop // KEYS_PER_CALL)
         counter = (
@@ -114,8 +141,11 @@ class Dropout:
             + torch.arange(first_call, end_call, device=device)
             + (self.base + self.rng[1])
         )
-        # The calls' four outputs side by side: the numbers of keys first_call * 4 onwards, in order.
-        numbers = torch.stack(philox(self.rng[0], counter), -1).flatten(-2)
+        # Each call's 16 bytes in key order (byte k of output w for key 4w + k), the calls side by side:
+        # the bytes of keys first_call * 16 onwards.
+        outputs = torch.stack(philox(self.rng[0], counter), -1).unsqueeze(-1)
+        shifts = torch.arange(0, 32, 8, device=device)
+        random_bytes = ((outputs >> shifts) & 0xFF).flatten(-3)
         first = cols.start - first_call * KEYS_PER_CALL
-        kept = numbers[..., first : first + len(cols)] >= threshold(self.p)
-        return kept.to(torch.float32) / (1.0 - self.p)
+        kept = random_bytes[..., first : first + len(cols)] >= threshold(self.p)
+        return kept.to(torch.float32) * kept_scale(self.p)

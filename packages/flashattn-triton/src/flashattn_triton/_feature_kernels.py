@@ -12,9 +12,9 @@ one whose programs start at their sequence's row.
   which bounds exist). Each loop runs only over the tiles that intersect the band.
 - Masks: loaded tile by tile (MASK: 0 none, 1 bool as uint8, 2 float added to the scores); a bool tile
   that keeps nothing is skipped before its products.
-- Dropout: Philox (_kernels.kept: tl.randint4x, one call per 4 keys) at the counter offset + z * stride_b +
-  h * stride_h + row * stride_i + key // 4, keyed by the seed; the backward draws the same numbers (see
-  _dropout, which computes them in PyTorch). Nothing is stored.
+- Dropout: Philox (_kernels.kept: tl.randint4x, one call per 16 keys, a byte each) at the counter
+  offset + z * stride_b + h * stride_h + row * stride_i + key // 16, keyed by the seed; the backward draws
+  the same bytes (see _dropout, which computes them in PyTorch). Nothing is stored.
 - Varlen: with VARLEN, sequence z spans rows cu_seqlens[z]:cu_seqlens[z + 1]; programs past its end exit.
 - The backward is two launches with no atomics, so it is deterministic: dK/dV (one program per key tile
   and K/V head), then dQ (one per query tile and query head). D = rowsum(dO * O) comes in from the host.

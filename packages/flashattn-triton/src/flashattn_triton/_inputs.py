@@ -60,6 +60,67 @@ def as_4d(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(0) if x.dim() == 3 else x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
 
 
+def output_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped and typed like x, laid out as SDPA lays out attention's output (and
+    its backward the gradients, ATen's ``alloc_with_matching_layout``): dense, its dims in x's order in
+    memory (sorted by x's strides, outermost first; ties keep their order), with d innermost here so that
+    the kernels can store rows (SDPA would follow an x strided along d too; such an x is rare and copied
+    anyway). So a dense x's own strides, and for q = ``proj(x).view(B, T, H, d).transpose(1, 2)`` or a
+    fused projection's ``qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)[0]`` (not dense) packed (B, T, H,
+    d) memory: the model's ``out.transpose(1, 2).reshape(B, T, H * d)`` is a view, not a copy. The fake
+    implementations call it too, so real and fake strides agree by construction."""
+    inner = x.dim() - 1
+    order = sorted(range(inner), key=x.stride, reverse=True)  # (sorted is stable, also reversed)
+    return torch.empty_permuted(x.shape, (*order, inner), dtype=x.dtype, device=x.device)
+
+
+def in_output_layout(result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """result, a contiguous output or gradient shaped like x, in output_like(x)'s layout: itself where the
+    two agree (x laid out in (B, H, T, d) order), else copied. For the PyTorch path, whose results are
+    contiguous: one copy, where the model would otherwise copy to undo the transpose."""
+    if x.is_contiguous() and result.is_contiguous():
+        return result
+    out = output_like(x)
+    return result if out.stride() == result.stride() else out.copy_(result)
+
+
+def _addressable(x4: torch.Tensor, host: bool) -> bool:
+    """Whether the kernels can address (Z, H, T, d) x4 as it is: a host-built descriptor (TMA) takes any
+    strides 16-byte aligned with unit stride along d, a kernel-built one a contiguous tensor."""
+    if x4.data_ptr() % 16:
+        return False
+    if not host:
+        return x4.is_contiguous()
+    size = x4.element_size()
+    return x4.stride(-1) == 1 and all(
+        n == 1 or (stride > 0 and stride * size % 16 == 0)
+        for n, stride in zip(x4.shape[:-1], x4.stride()[:-1], strict=True)
+    )
+
+
+def kernel_output(out: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
+    """The (Z, H, T, head_dim) tensor that the kernels write `out` (output_like's) through: a view of out
+    where they can address it (the tuned path's case on Hopper: in place, any layout output_like makes),
+    else a contiguous one (padded along d, or for kernel-built descriptors, which take packed tensors)
+    that copy_back copies into out."""
+    shape = (1, *out.shape) if out.dim() == 3 else (out.shape[:-3].numel(), *out.shape[-3:])
+    if out.shape[-1] == head_dim:
+        try:
+            x4 = out.view(shape)
+        except RuntimeError:  # leading dims that no view merges (a permuted 5-D layout)
+            x4 = None
+        if x4 is not None and _addressable(x4, host):
+            return x4
+    return torch.empty((*shape[:-1], head_dim), dtype=out.dtype, device=out.device)
+
+
+def copy_back(out: torch.Tensor, x4: torch.Tensor) -> torch.Tensor:
+    """out, holding what the kernels wrote into x4 (kernel_output's): copied where x4 is not its view."""
+    if x4.data_ptr() != out.data_ptr():
+        out.copy_(x4[..., : out.shape[-1]].reshape(out.shape))
+    return out
+
+
 def padded_head_dim(head_dim: int, element_size: int) -> int:
     """Rows of a tensor descriptor must span a multiple of 16 bytes: d rounded up to that."""
     step = 16 // element_size
@@ -97,17 +158,7 @@ def kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
     x4 = as_4d(x)
     if x4.shape[-1] < head_dim:
         x4 = F.pad(x4, (0, head_dim - x4.shape[-1]))
-    size = x4.element_size()
-    addressable = x4.data_ptr() % 16 == 0 and (
-        x4.is_contiguous()
-        if not host
-        else x4.stride(-1) == 1
-        and all(
-            n == 1 or (stride > 0 and stride * size % 16 == 0)
-            for n, stride in zip(x4.shape[:-1], x4.stride()[:-1], strict=True)
-        )
-    )
-    return x4 if addressable else x4.clone(memory_format=torch.contiguous_format)
+    return x4 if _addressable(x4, host) else x4.clone(memory_format=torch.contiguous_format)
 
 
 class TF32Split:

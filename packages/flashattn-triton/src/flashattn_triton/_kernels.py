@@ -46,9 +46,17 @@ its online softmax keeps m = -inf for such rows and subtracts 0 instead; a row t
 all (possible only where Tq != Tk) gets O = 0 and L = -inf.
 
 Dropout (DROPOUT, compiled out otherwise): each tile's kept mask comes from Philox at counters derived
-from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 4 adjacent
-keys), in the forward and again in the backward; nothing is stored. A row's counters are those of its
-query head (z, h), with or without groups.
+from the (seed, offset) on the device (kept, _dropout's mapping: one tl.randint4x call per 16 adjacent
+keys, a byte each), in the forward and again in the backward; nothing is stored. A row's counters are
+those of its query head (z, h), with or without groups.
+
+Packed sequences (VARLEN, compiled out otherwise): flash-attn's layout, Q (total_q, H, d), K and V (total_k,
+H / group, d), sequence z the rows cu_seqlens[z] to cu_seqlens[z + 1]. The grids are those of a (B, H,
+max_seqlen) problem; each program reads its sequence's bounds and returns if its tile starts past the
+sequence's end. A host-built descriptor would span every sequence and zero-fill only past the last one, so
+the programs build their own (_packed_descriptor): a (1, H, seqlen, d) view of the sequence's rows, strided
+H * d, which TMA zero-fills and clips at the sequence's end. Every mask then works as it does at the end of
+a tensor, with the sequence's lengths, and no tile reads or writes a row of the next sequence.
 """
 
 from __future__ import annotations
@@ -105,6 +113,39 @@ def _value_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr
     else:
         padded = tl.cdiv(seqlen, 4) * 4
         return _strided_descriptor(arg, 2 * batch, heads, head_dim, seqlen, padded, BLOCK_D, BLOCK_T)
+
+
+@triton.jit
+def _packed_descriptor(arg, first_row, rows, heads, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A descriptor over one packed sequence: the rows [first_row, first_row + rows) of the contiguous
+    (total, heads, head_dim) at arg, as a (1, heads, rows, head_dim) view (row stride heads * head_dim). Built
+    by the program, it zero-fills loads and clips stores at the sequence's end as a host-built one does at
+    the tensor's: no tile reads or writes a row of the next sequence."""
+    row = heads.to(tl.int64) * head_dim
+    return tl.make_tensor_descriptor(
+        arg + first_row.to(tl.int64) * row,
+        shape=[1, heads, rows, head_dim],
+        strides=[row, head_dim, row, 1],  # (dim 0 is never stepped along)
+        block_shape=[1, 1, BLOCK_T, BLOCK_D],
+    )
+
+
+@triton.jit
+def _rows_descriptor(arg, batch, heads, seqlen, head_dim, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PARTS: tl.constexpr, VARLEN: tl.constexpr, first_row):  # fmt: skip
+    """_descriptor of (PARTS * batch, H, T, d) at arg (PARTS = 2 for tf32x3's inputs), or under VARLEN the
+    _packed_descriptor of the sequence of seqlen rows from first_row."""
+    if VARLEN:
+        return _packed_descriptor(arg, first_row, seqlen, heads, head_dim, BLOCK_T, BLOCK_D)
+    else:
+        return _descriptor(arg, PARTS * batch, heads, seqlen, head_dim, BLOCK_T, BLOCK_D)
+
+
+@triton.jit
+def _sequence(CuSeqlens, z):
+    """(first row, length) of packed sequence z."""
+    first = tl.load(CuSeqlens + z)
+    return first, tl.load(CuSeqlens + z + 1) - first
 
 
 @triton.jit
@@ -257,16 +298,20 @@ def _rng_state(Rng, DROPOUT: tl.constexpr):
 
 @triton.jit
 def kept(seed, row_calls, start_n, threshold, BLOCK_N: tl.constexpr):
-    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 4) dropout keeps,
-    (R, BLOCK_N), in the R rows whose key 0 takes its number from the Philox call at row_calls ((R,) int64,
-    the offset included): key j takes output j % 4 of the call at row_calls + j // 4 (tl.randint4x), and is
-    kept iff that number is at least threshold (< 2**32). The mapping of _dropout, whose PyTorch path drops
-    the same probabilities; the feature kernels draw theirs here too."""
-    calls = row_calls[:, None] + (start_n // 4 + tl.arange(0, BLOCK_N // 4))[None, :]
+    """Which probabilities of keys start_n .. start_n + BLOCK_N - 1 (start_n a multiple of 16) dropout keeps,
+    (R, BLOCK_N), in the R rows whose key 0 takes its byte from the Philox call at row_calls ((R,) int64,
+    the offset included): key j takes byte j % 4 of output (j // 4) % 4 of the call at row_calls + j // 16
+    (tl.randint4x), and is kept iff that byte is at least threshold (0 .. 256). The mapping of _dropout,
+    whose PyTorch path drops the same probabilities; the feature kernels draw theirs here too."""
+    tl.static_assert(BLOCK_N % 16 == 0, "one Philox call serves 16 keys")
+    calls = row_calls[:, None] + (start_n // 16 + tl.arange(0, BLOCK_N // 16))[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, calls)
-    numbers = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))  # r0, r1, r2, r3 per call
-    # An i32 threshold (p < 0.5) compares as uint32, an i64 one widens the numbers: both unsigned-exact.
-    return numbers >= threshold
+    # Key 16c + 4w + k takes byte k (word >> 8k & 255) of word w of call c: the words interleaved in order
+    # (R, BLOCK_N // 4), then split by a broadcast shift (R, BLOCK_N // 4, 4), row-major as the keys are
+    # (a shift, not two more interleaves: the mask needs no layout conversion, decisions.md#dropout-bytes).
+    words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))
+    random_bytes = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+    return tl.reshape(random_bytes >= threshold, (row_calls.shape[0], BLOCK_N))
 
 
 @triton.jit
@@ -318,7 +363,8 @@ def attn_fwd(
     Q, K, V, Out, L, Partials, batch, heads, group, seqlen_q, seqlen_k, head_dim, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, SPLIT_KV: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
-    Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
+    Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr, CuSeqlensQ, CuSeqlensK,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One program per (query tile, z*h): O and L for BLOCK_M query rows, against K/V head h // group.
     Grid: (tiles * Z * H,).
@@ -328,9 +374,18 @@ def attn_fwd(
     window_right = 0): the band of the module docstring.
 
     DROPOUT drops probabilities as _dropout says (Rng: its (seed, offset) tensor; the probability kept iff
-    its Philox number >= dropout_threshold, then scaled by dropout_scale = 1 / (1 - p)): the counters of
-    row (z, h, i) start at offset + ((z * H + h) * Tq + i) * ceil(Tk / 4), those of Dropout.dense."""
+    its Philox byte >= dropout_threshold, then scaled by dropout_scale = 1 / (1 - effective p)): the
+    counters of row (z, h, i) start at offset + ((z * H + h) * Tq + i) * ceil(Tk / 16), those of
+    Dropout.dense.
+
+    VARLEN (packed sequences; not with SPLIT_KV, BAND or tf32x3): z is a sequence, rows cu_seqlens[z] to
+    cu_seqlens[z + 1] of the packed (total, H, d) Q, Out and (total, H / group, d) K, V (CuSeqlensQ/K),
+    seqlen_q and seqlen_k the longest sequences (the grid's); a program whose tile lies past its sequence's
+    end returns at once. Its descriptors span its sequence alone (_packed_descriptor), so every mask below
+    works with the sequence's lengths. L is (total, H); the dropout counters those of Dropout.packed: row
+    (h, i) of a (1, H, total_q, max Tk) problem."""
     tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
+    tl.static_assert(not (VARLEN and (SPLIT_KV or BAND or INPUT_PRECISION == "tf32x3")))
     num_tiles = tl.cdiv(seqlen_q, BLOCK_M)
     pid = tl.program_id(0)
     tile = pid % num_tiles
@@ -341,16 +396,32 @@ def attn_fwd(
     h = bh % heads
     h_kv = h // group  # the K/V head of this query head's group
     kv_heads = heads // group
-    q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-    k_desc = _input_descriptor(K, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-    v_desc = _value_descriptor(V, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-    if not SPLIT_KV:
-        o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     start_m = tile * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    calls_per_row = tl.cdiv(seqlen_k, 16)
+    if VARLEN:
+        first_q, seqlen_q = _sequence(CuSeqlensQ, z)
+        first_k, seqlen_k = _sequence(CuSeqlensK, z)
+        if start_m >= seqlen_q:
+            return
+        head_row = h.to(tl.int64) * tl.load(CuSeqlensQ + batch) + first_q  # this head's first counter row
+        l_rows = L + (first_q + offs_m).to(tl.int64) * heads + h
+        z = 0
+        q_desc = _packed_descriptor(Q, first_q, seqlen_q, heads, head_dim, BLOCK_M, BLOCK_D)
+        k_desc = _packed_descriptor(K, first_k, seqlen_k, kv_heads, head_dim, BLOCK_N, BLOCK_D)
+        v_desc = _packed_descriptor(V, first_k, seqlen_k, kv_heads, head_dim, BLOCK_N, BLOCK_D)
+        o_desc = _packed_descriptor(Out, first_q, seqlen_q, heads, head_dim, BLOCK_M, BLOCK_D)
+    else:
+        head_row = bh.to(tl.int64) * seqlen_q
+        l_rows = L + head_row + offs_m
+        q_desc = _input_descriptor(Q, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+        k_desc = _input_descriptor(K, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        v_desc = _value_descriptor(V, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        if not SPLIT_KV:
+            o_desc = _descriptor(Out, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
     q, q_low = _load_parts(q_desc, z, batch, h, start_m, BLOCK_M, BLOCK_D, INPUT_PRECISION)
     seed, rng_offset = _rng_state(Rng, DROPOUT)
-    row_calls = rng_offset + (bh.to(tl.int64) * seqlen_q + offs_m) * tl.cdiv(seqlen_k, 4)
+    row_calls = rng_offset + (head_row + offs_m) * calls_per_row
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -411,19 +482,20 @@ def attn_fwd(
         tl.store(Partials + lse_start + row, m_i + tl.math.log2(l_i))
     else:
         lse = (m_i + tl.math.log2(l_i)) * _LN2
-        tl.store(L + bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-        if BAND:  # rows that saw no key (l = 0, acc = 0, lse = -inf) get O = 0
+        tl.store(l_rows, lse, mask=offs_m < seqlen_q)
+        if BAND or VARLEN:  # rows that saw no key (l = 0, acc = 0, lse = -inf) get O = 0
             l_i = tl.where(l_i == 0, 1.0, l_i)
         _store_tile(o_desc, z, h, start_m, (acc / l_i[:, None]).to(q.dtype), BLOCK_M, BLOCK_D)
 
 
 @triton.jit
 def attn_fwd_combine(
-    Partials, Out, L, batch_heads, seqlen_q, partial_rows, head_dim,
+    Partials, Out, L, batch_heads, heads, seqlen_q, partial_rows, head_dim, stride_oz, stride_oh, stride_om,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """O and L of BLOCK_M rows from attn_fwd's SPLITS partials (O_s, lse_s), partial_rows a head each:
-    lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: contiguous (Z * H, seqlen_q, head_dim).
+    lse = log2 sum_s 2^lse_s and O = sum_s 2^(lse_s - lse) O_s. Out: (Z, H, seqlen_q, head_dim) of any
+    strides with unit stride along d (the query's layout, _inputs.output_like); L contiguous (Z, H, T).
     Grid: (tiles * Z * H,). The loops over the splits unroll, so that every split's loads are in flight at
     once: the kernel is one memory round trip long, not one a split."""
     # (batch_heads and partial_rows may arrive as constexprs: Triton specializes integer arguments of 1)
@@ -449,11 +521,12 @@ def attn_fwd_combine(
         o = tl.load(Partials + partial[:, None] * BLOCK_D + cols[None, :], mask=in_rows[:, None], other=0.0)
         acc += weight[:, None] * o
         total += weight
-    out_rows = bh.to(tl.int64) * seqlen_q + rows
-    tl.store(L + out_rows, (lse_max + tl.math.log2(total)) * _LN2, mask=in_rows)
+    tl.store(L + bh.to(tl.int64) * seqlen_q + rows, (lse_max + tl.math.log2(total)) * _LN2, mask=in_rows)
     out = (acc / tl.where(total == 0, 1.0, total)[:, None]).to(Out.dtype.element_ty)
     in_tile = in_rows[:, None] & (cols < head_dim)[None, :]
-    tl.store(Out + out_rows[:, None] * head_dim + cols[None, :], out, mask=in_tile)
+    z, h = bh // heads, bh % heads
+    out_rows = z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + rows.to(tl.int64) * stride_om
+    tl.store(Out + out_rows[:, None] + cols[None, :], out, mask=in_tile)
 
 
 @triton.jit
@@ -501,7 +574,7 @@ def _row_delta(delta_src, do, z, h, row, seqlen_q, BLOCK_T: tl.constexpr, BLOCK_
 @triton.jit
 def _bwd_query_tiles(
     dk, dv, k, k_low, v, v_low, k_dq, q_desc, do_desc, bh, z, batch, h, l_ptrs, delta_src, dq_acc,
-    dq_acc_rows, offs_n, lo, hi, seqlen_q, qk_scale, scale,
+    dq_acc_rows, dq_first_row, offs_n, lo, hi, seqlen_q, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, ROW_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TRANSPOSED_GRADS: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr, seed, head_calls,
@@ -559,7 +632,7 @@ def _bwd_query_tiles(
             dq = _dot(tl.trans(ds_high), tl.trans(ds_low), k_dq, k_low, None, INPUT_PRECISION)
             if INPUT_PRECISION == "tf32x3":
                 dq = dq * scale
-            _add_tile(dq_acc, bh, z, h, dq_acc_rows, start_m, dq, BLOCK_M, BLOCK_D)
+            _add_tile(dq_acc, bh, z, h, dq_acc_rows, dq_first_row + start_m, dq, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
@@ -605,7 +678,8 @@ def attn_bwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DELTA_FROM_O: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     TRANSPOSED_GRADS: tl.constexpr, PHASE: tl.constexpr, window_left, window_right, BAND: tl.constexpr,
-    Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
+    Rng, dropout_threshold, dropout_scale, DROPOUT: tl.constexpr, CuSeqlensQ, CuSeqlensK,
+    VARLEN: tl.constexpr,
 ):  # fmt: skip
     """Program i of a head owns key tile i and query tile i, both of BLOCK_N rows: it computes dK and
     dV of its keys stepping through the queries BLOCK_M at a time, then dQ of its queries stepping
@@ -647,8 +721,14 @@ def attn_bwd(
 
     DROPOUT regenerates the forward's mask (attn_fwd's arguments and counters). D = rowsum(dO * O) holds
     as it is: O is the dropped output, and sum_j P_ij M_ij dP_ij / (1 - p) = dO_i . O_i.
+
+    VARLEN: packed sequences as in attn_fwd, the grid's tiles those of the longest sequences; every tensor
+    of rows is packed, (total, H, d) (DK, DV: (total_k, H, d)), L and Delta are (H, total_q), DQ_ACC is
+    (1, H, dq_acc_rows, BLOCK_D) with dq_acc_rows >= total_q + BLOCK_M (the tiles past a sequence's end add
+    exact zeros there: their rows read L = +inf), its rows those of the packed queries.
     """
     tl.static_assert(not (BAND and CAUSAL), "a causal band is BAND with window_right = 0")
+    tl.static_assert(not (VARLEN and (BAND or INPUT_PRECISION == "tf32x3")))
     if ATOMIC_DQ or PHASE == "dkdv":
         num_tiles = tl.cdiv(seqlen_k, BLOCK_N)
     elif PHASE == "dq":
@@ -665,23 +745,41 @@ def attn_bwd(
     h_kv = h // group  # the K/V head of this query head's group
     kv_heads = heads // group
     start = tile * BLOCK_N
-    l_base = L + bh.to(tl.int64) * seqlen_q
     seed, rng_offset = _rng_state(Rng, DROPOUT)
-    calls_per_row = tl.cdiv(seqlen_k, 4)
-    head_calls = rng_offset + bh.to(tl.int64) * seqlen_q * calls_per_row
-    if DELTA_FROM_O:
-        delta_step = _descriptor(O_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D)
-        delta_own = _descriptor(O_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D)
+    calls_per_row = tl.cdiv(seqlen_k, 16)
+    parts = 2 if INPUT_PRECISION == "tf32x3" else 1
+    if VARLEN:
+        first_q, seqlen_q = _sequence(CuSeqlensQ, z)
+        first_k, seqlen_k = _sequence(CuSeqlensK, z)
+        if start >= tl.maximum(seqlen_q, seqlen_k):  # past both of its sequence's ends
+            return
+        head_row = h.to(tl.int64) * tl.load(CuSeqlensQ + batch) + first_q  # of L, Delta and the counters
+        bh = h  # DQ_ACC's head
+        z = 0
     else:
-        delta_step = Delta + bh.to(tl.int64) * seqlen_q
+        first_q = 0
+        first_k = 0
+        head_row = bh.to(tl.int64) * seqlen_q
+    l_base = L + head_row
+    head_calls = rng_offset + head_row * calls_per_row
+    if DELTA_FROM_O:
+        delta_step = _rows_descriptor(O_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D,
+                                      1, VARLEN, first_q)  # fmt: skip
+        delta_own = _rows_descriptor(O_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
+                                     1, VARLEN, first_q)  # fmt: skip
+    else:
+        delta_step = Delta + head_row
         delta_own = delta_step
-    q_step = _input_descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
-    do_step = _input_descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, INPUT_PRECISION)
+    q_step = _rows_descriptor(Q_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D, parts, VARLEN, first_q)
+    do_step = _rows_descriptor(DO_S, batch, heads, seqlen_q, head_dim, BLOCK_M, BLOCK_D,
+                               parts, VARLEN, first_q)  # fmt: skip
 
     if PHASE != "dq" and start < seqlen_k:
         offs_n = start + tl.arange(0, BLOCK_N)
-        k_own = _input_descriptor(K_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
-        v_own = _input_descriptor(V_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, INPUT_PRECISION)
+        k_own = _rows_descriptor(K_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, parts, VARLEN,
+                                 first_k)  # fmt: skip
+        v_own = _rows_descriptor(V_T, batch, kv_heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, parts, VARLEN,
+                                 first_k)  # fmt: skip
         k, k_low = _load_parts(k_own, z, batch, h_kv, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         v, v_low = _load_parts(v_own, z, batch, h_kv, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         if ATOMIC_DQ and INPUT_PRECISION != "tf32x3":
@@ -708,29 +806,29 @@ def attn_bwd(
             # spills the wgmma descriptors of K and V and reloads them on every step.
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, first, last, seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D,
-                CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS, window_left,
-                window_right, BAND, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
-                BLOCK_N, DROPOUT,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, first, last, seqlen_q, qk_scale, scale, BLOCK_M,
+                BLOCK_D, CAUSAL, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, TRANSPOSED_GRADS,
+                window_left, window_right, BAND, seed, head_calls, calls_per_row, start, dropout_threshold,
+                dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
         elif BAND:  # the unmasked query tiles, then the band's edges (either may hold the ragged last tile)
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, unmasked_start, unmasked_end, seqlen_q, qk_scale, scale,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, unmasked_start, unmasked_end, seqlen_q, qk_scale, scale,
                 BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
             )  # fmt: skip
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, first, unmasked_start, seqlen_q, qk_scale, scale, BLOCK_M,
-                BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, first, unmasked_start, seqlen_q, qk_scale, scale,
+                BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, True, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
             )  # fmt: skip
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, unmasked_end, last, seqlen_q, qk_scale, scale, BLOCK_M,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, unmasked_end, last, seqlen_q, qk_scale, scale, BLOCK_M,
                 BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, True, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
@@ -742,7 +840,7 @@ def attn_bwd(
                 diagonal_end = tl.cdiv(start + BLOCK_N - 1, BLOCK_M) * BLOCK_M
                 dk, dv = _bwd_query_tiles(
                     dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                    DQ_ACC, dq_acc_rows, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
+                    DQ_ACC, dq_acc_rows, first_q, offs_n, first, tl.minimum(diagonal_end, seqlen_q), seqlen_q,
                     qk_scale, scale, BLOCK_M, BLOCK_D, True, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
                     False, window_left, window_right, False, seed, head_calls, calls_per_row, start,
                     dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
@@ -752,34 +850,34 @@ def attn_bwd(
                 unmasked_start = 0
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale, BLOCK_M,
-                BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, unmasked_start, full_end, seqlen_q, qk_scale, scale,
+                BLOCK_M, BLOCK_D, False, False, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION, False, window_left,
                 window_right, False, seed, head_calls, calls_per_row, start, dropout_threshold, dropout_scale,
                 BLOCK_N, DROPOUT,
             )  # fmt: skip
             # The ragged last query tile (empty when seqlen_q % BLOCK_M == 0).
             dk, dv = _bwd_query_tiles(
                 dk, dv, k, k_low, v, v_low, k_dq, q_step, do_step, bh, z, batch, h, l_base, delta_step,
-                DQ_ACC, dq_acc_rows, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q, seqlen_q,
-                qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O, INPUT_PRECISION,
-                False, window_left, window_right, False, seed, head_calls, calls_per_row, start,
-                dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
+                DQ_ACC, dq_acc_rows, first_q, offs_n, tl.maximum(unmasked_start, full_end), seqlen_q,
+                seqlen_q, qk_scale, scale, BLOCK_M, BLOCK_D, False, True, ATOMIC_DQ, DELTA_FROM_O,
+                INPUT_PRECISION, False, window_left, window_right, False, seed, head_calls, calls_per_row,
+                start, dropout_threshold, dropout_scale, BLOCK_N, DROPOUT,
             )  # fmt: skip
         if TRANSPOSED_GRADS:
             dk = tl.trans(dk)
             dv = tl.trans(dv)
-        _store_tile(_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
-                    (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
-        _store_tile(_descriptor(DV, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D), z, h, start,
-                    dv.to(v.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
+        dk_desc = _rows_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, 1, VARLEN, first_k)
+        dv_desc = _rows_descriptor(DV, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, 1, VARLEN, first_k)
+        _store_tile(dk_desc, z, h, start, (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D)
+        _store_tile(dv_desc, z, h, start, dv.to(v.dtype), BLOCK_N, BLOCK_D)
 
     if not ATOMIC_DQ and PHASE != "dkdv":
         if start < seqlen_q:
             offs_m = start + tl.arange(0, BLOCK_N)
-            q_own = _input_descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
-                                      INPUT_PRECISION)  # fmt: skip
-            do_own = _input_descriptor(DO_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
-                                       INPUT_PRECISION)  # fmt: skip
+            q_own = _rows_descriptor(Q_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D, parts, VARLEN,
+                                     first_q)  # fmt: skip
+            do_own = _rows_descriptor(DO_T, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D, parts, VARLEN,
+                                      first_q)  # fmt: skip
             q, q_low = _load_parts(q_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
             do, do_low = _load_parts(do_own, z, batch, h, start, BLOCK_N, BLOCK_D, INPUT_PRECISION)
             l2 = _load_rows(l_base + offs_m, offs_m, seqlen_q, float("inf"), True) * _LOG2E
@@ -788,10 +886,10 @@ def attn_bwd(
                 dq = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
             else:
                 dq = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-            k_step = _input_descriptor(K_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
-                                       INPUT_PRECISION)  # fmt: skip
-            v_step = _input_descriptor(V_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D,
-                                       INPUT_PRECISION)  # fmt: skip
+            k_step = _rows_descriptor(K_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D, parts,
+                                      VARLEN, first_k)  # fmt: skip
+            v_step = _rows_descriptor(V_S, batch, kv_heads, seqlen_k, head_dim, BLOCK_M, BLOCK_D, parts,
+                                      VARLEN, first_k)  # fmt: skip
             row_calls = head_calls + offs_m.to(tl.int64) * calls_per_row
             # The keys [band_start, masked_end) meet these queries: unmasked in [unmasked_start,
             # unmasked_end), masked below it (a band's lower edge) and above (the diagonal, the ragged end).
@@ -835,8 +933,9 @@ def attn_bwd(
                 )  # fmt: skip
             if TRANSPOSED_GRADS:
                 dq = tl.trans(dq)
-            _store_tile(_descriptor(DQ, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D), z, h, start,
-                        (dq * scale).to(q.dtype), BLOCK_N, BLOCK_D)  # fmt: skip
+            dq_desc = _rows_descriptor(DQ, batch, heads, seqlen_q, head_dim, BLOCK_N, BLOCK_D,
+                                       1, VARLEN, first_q)  # fmt: skip
+            _store_tile(dq_desc, z, h, start, (dq * scale).to(q.dtype), BLOCK_N, BLOCK_D)
 
 
 @triton.jit

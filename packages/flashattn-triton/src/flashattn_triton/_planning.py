@@ -104,7 +104,8 @@ class Problem:
     must be bitwise repeatable (no atomic dQ); band_span: under a band (a sliding window), the keys a
     query row's band spans, at most seqlen_k (0: no band); dropout: the pass drops probabilities (the
     Gluon kernels do not); group: query heads per K/V head (grouped-query attention above 1; batch_heads
-    counts query heads)."""
+    counts query heads); varlen: packed sequences (batch_heads, seqlen_q and seqlen_k those of the longest
+    sequences), which neither the Gluon kernels nor the split key tiles take."""
 
     pass_name: str
     batch_heads: int
@@ -121,6 +122,7 @@ class Problem:
     band_span: int = 0
     dropout: bool = False
     group: int = 1
+    varlen: bool = False
 
     @property
     def small(self) -> bool:
@@ -141,17 +143,20 @@ class Problem:
         masked edges: a window of 128 and one of 4096 favor different tiles), and the group by size class:
         a group's query heads read one K/V head, whose tiles then come from L2 more often than from memory,
         and the backward sums their dK and dV after, so the fastest config of a grouped problem need not be
-        that of one without groups."""
+        that of one without groups. Packed sequences add "varlen" (the keys of other problems are as
+        they were)."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
                 size_class(self.group), self.uses_hopper, self.deterministic,
-                self.band_span and size_class(self.band_span), self.dropout)  # fmt: skip
+                self.band_span and size_class(self.band_span), self.dropout,
+                *("varlen",) * self.varlen)  # fmt: skip
 
     @property
     def uses_hopper(self) -> bool:
         """Whether the Gluon kernels are among the candidates: never for a band or dropout, which they
-        lack, nor for grouped-query attention (they read K and V of the query's own heads)."""
-        return (self.hopper and self.group == 1 and not self.small
+        lack, nor for grouped-query attention (they read K and V of the query's own heads) or packed
+        sequences."""
+        return (self.hopper and self.group == 1 and not self.small and not self.varlen
                 and not (self.deterministic and self.pass_name == "bwd")
                 and not self.band_span and not self.dropout)  # fmt: skip
 
@@ -167,7 +172,7 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
         exact = [c for c in listed if not c.atomic_dq]
         if exact or problem.deterministic:
             listed = exact or [dataclasses.replace(listed[0], atomic_dq=False)]
-    if problem.pass_name == "fwd" and problem.small and problem.sm_count:
+    if problem.pass_name == "fwd" and problem.small and problem.sm_count and not problem.varlen:
         # A query tile walks the keys of its band only: a band's split pays where that span is long.
         key_class = size_class(problem.band_span) if problem.band_span else seqlen_class
         listed = with_split_key_tiles(listed, seqlen_class, key_class, size_class(problem.batch_heads),

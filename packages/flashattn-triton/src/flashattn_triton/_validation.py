@@ -111,8 +111,8 @@ def _check_keys(names: tuple[str, str], k: torch.Tensor, v: torch.Tensor, dim: i
 def check_dropout(dropout_p: object) -> float:
     if isinstance(dropout_p, (torch.Tensor, bool)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a Python float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     return float(dropout_p)
 
 

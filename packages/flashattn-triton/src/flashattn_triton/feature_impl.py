@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton._dropout import Dropout, check_rng, threshold
+from flashattn_triton._dropout import Dropout, check_rng, kept_scale, threshold
+from flashattn_triton._inputs import output_like
 from flashattn_triton._validation import UNBOUNDED
 
 
@@ -167,7 +168,7 @@ def _problem(
     head_dim = q.shape[-1]
     shared = (seqlen_q, seqlen_k, head_dim)
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
-    dropout = (threshold(dropout_p), 1.0 / (1.0 - dropout_p), counters.stride_b, counters.stride_h,
+    dropout = (threshold(dropout_p), kept_scale(dropout_p), counters.stride_b, counters.stride_h,
                counters.stride_i)  # fmt: skip
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     constants = {
@@ -217,7 +218,7 @@ def feature_forward(
     q, k, v = (_unit_last(t) for t in (q, k, v))
     p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
                  cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = output_like(q)  # (the kernels store by strides: in q's layout as the ops promise)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
@@ -280,7 +281,7 @@ def feature_backward(
     q, k, v, grad_out = (_unit_last(t) for t in (q, k, v, grad_out))
     p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
                  cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
-    grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    grads = [output_like(t).zero_() for t in (q, k, v)]  # (in their inputs' layouts, as out)
     if q.numel() == 0 or k.numel() == 0:
         return tuple(grads)
     dq, dk, dv = grads

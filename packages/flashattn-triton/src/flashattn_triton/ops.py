@@ -23,27 +23,32 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
   rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``max_seqlen_q/k`` bound the lengths (0 when not packed).
 - ``attn_mask``: None, a bool tensor (True = may attend) or a float tensor added to the scaled scores,
   broadcastable to ``(B, Hq, Tq, Tk)``. It gets no gradient.
-- ``dropout_p`` in [0, 1): attention probabilities dropped as SDPA does. ``rng_state``: int64 ``(2,)`` on
-  q's device, (Philox seed, offset), drawn by flash_attention from the device's default generator; None
-  when ``dropout_p == 0``. The backward regenerates the same mask from it.
+- ``dropout_p`` in [0, 1]: attention probabilities dropped as SDPA does, p rounded to a multiple of
+  1/256 (_dropout). ``rng_state``: int64 ``(2,)`` on q's device, (Philox seed, offset), drawn by
+  flash_attention from the device's default generator; None when ``dropout_p == 0``. The backward
+  regenerates the same mask from it.
 - ``scale``: the softmax scale (flash_attention resolves None to 1/sqrt(d)).
 - Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
   window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
   the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
   bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
-- ``out`` is contiguous, shaped and typed like q; ``lse`` float32, contiguous, of shape ``q.shape[:-1]``:
-  the log-sum-exp of each row's (masked) scaled scores.
+- ``out`` is shaped and typed like q and laid out as SDPA lays it out (``_inputs.output_like``): dense, in
+  q's order of dims in memory (d innermost), so q's strides where q is dense, and (B, T, H, d) memory for
+  the ``view(B, T, H, d).transpose(1, 2)`` of a projection (fused or not), whose transpose back to (B, T,
+  H * d) is then a view; ``lse`` float32, contiguous, of shape
+  ``q.shape[:-1]``: the log-sum-exp of each row's (masked) scaled scores.
 
 ``attn_bwd(grad_out, grad_lse, q, k, v, out, lse, <attn_fwd's arguments after v>, deterministic)
--> (dq, dk, dv)``: contiguous, shaped like q, k, v. ``grad_lse`` (optional) is the gradient of lse,
-for callers who use it. ``deterministic``: bitwise repeatable gradients (no atomics), set from
-``torch.are_deterministic_algorithms_enabled()``.
+-> (dq, dk, dv)``: shaped like q, k, v, each in its input's layout by the same rule. ``grad_lse``
+(optional) is the gradient of lse, for callers who use it. ``deterministic``: bitwise repeatable
+gradients (no atomics), set from ``torch.are_deterministic_algorithms_enabled()``.
 
 Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
 missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
 causal attention and for top-left bands (sliding windows) with Tq = Tk, each grouped-query or not (query
-head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for everything else the
-feature kernels (feature_impl, whose backward has no atomics).
+head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for packed sequences,
+plain or causal (not float32 at full accuracy), and for everything else the feature kernels
+(feature_impl, whose backward has no atomics).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
@@ -103,15 +108,21 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     (triton_impl's tuned kernels) for plain or top-left causal attention and for a top-left band (a
     sliding window, _window) where Tq = Tk, grouped-query or not, with or without dropout (a band's mask,
     dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
-    row's dropout counters are its query head's, as in the PyTorch path); "features" (feature_impl) for
-    every other problem (a mask, packed sequences, a bottom-right band)."""
+    row's dropout counters are its query head's, as in the PyTorch path); "varlen" (the tuned kernels'
+    packed sequences) for packed sequences, plain or causal, grouped-query or not, with or without
+    dropout, where triton_impl.supports_varlen; "features" (feature_impl) for every other problem (a
+    mask, packed sequences with a window or float32 at full accuracy, a bottom-right band)."""
     if not uses_triton(q.device):
         return "torch"
-    if options["attn_mask"] is not None or options["cu_seqlens_q"] is not None:
+    if options["attn_mask"] is not None:
         return "features"
     window_right, offset = options["window_right"], options["diagonal_offset"]
     causal = window_right == 0 and offset == 0
-    if options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal):
+    plain_or_causal = options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal)
+    if options["cu_seqlens_q"] is not None:
+        window = None if plain_or_causal else (options["window_left"], window_right)
+        return "varlen" if triton_impl.supports_varlen(q, window) else "features"
+    if plain_or_causal:
         return "tuned"
     band = offset == 0 and q.shape[2] == k.shape[2]
     return "tuned" if band else "features"
@@ -140,11 +151,16 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
     path = _path(q, k, options)
-    if path == "torch":
-        return torch_impl.attention_forward(q, k, v, **options)
+    if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
+        out, lse = torch_impl.attention_forward(q, k, v, **options)
+        return _inputs.in_output_layout(out, q), lse
     if path == "tuned":
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+    if path == "varlen":
+        return triton_impl.triton_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                 max_seqlen_k, window_right == 0, scale, dropout_p=dropout_p,
+                                                 rng_state=rng_state)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -162,12 +178,18 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
     path = _path(q, k, options)
     if path == "torch":
-        return torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+        grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
+        return tuple(_inputs.in_output_layout(g, t) for g, t in zip(grads, (q, k, v), strict=True))
     if path == "tuned":
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),
                                            dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+    if path == "varlen":
+        return triton_impl.triton_varlen_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, window_right == 0, scale,
+                                                  grad_lse=grad_lse, deterministic=deterministic,
+                                                  dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
@@ -176,7 +198,7 @@ def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dr
                    rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
                    diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                    max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _inputs.output_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -184,7 +206,7 @@ def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tens
                    scale: float, window_left: int, window_right: int, diagonal_offset: int,
                    cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
                    max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _inputs.output_like(q), _inputs.output_like(k), _inputs.output_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:

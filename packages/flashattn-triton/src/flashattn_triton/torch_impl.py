@@ -114,7 +114,8 @@ class _Problem:
         return mask
 
     def dropout_scale(self, rows: range, cols: range) -> torch.Tensor | None:
-        """1 / (1 - p) where kept, 0 where dropped, (B, Hkv, G, R, C) float32; None without dropout."""
+        """_dropout.kept_scale(p) where kept, 0 where dropped, (B, Hkv, G, R, C) float32; None without
+        dropout."""
         if self.dropout is None:
             return None
         tile = self.dropout.scale_tile(self.grouped[0], self.heads, rows, cols)

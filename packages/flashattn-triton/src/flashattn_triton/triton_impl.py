@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from flashattn_triton import _hopper, _inputs, _launcher
 from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch, smaller
-from flashattn_triton._dropout import check_rng, threshold
+from flashattn_triton._dropout import check_rng, kept_scale, threshold
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
 from flashattn_triton._planning import (
@@ -35,9 +35,13 @@ from flashattn_triton._planning import (
     kernel_band,
 )
 from flashattn_triton._tuning import TUNING
-from flashattn_triton._validation import check_inputs
+from flashattn_triton._validation import check_inputs, check_scale
 
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
+# The kernels' arguments of packed sequences, where there are none.
+_NOT_PACKED = {"CuSeqlensQ": None, "CuSeqlensK": None, "VARLEN": False}
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -78,39 +82,48 @@ _MAX_PLANS = 4096  # a process seeing ever new lengths starts over rather than g
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
           scale: float | None, config: Any, deterministic: bool = False, grad_lse: bool = False,
-          band: Band | None = None, dropout_p: float = 0.0, grouped: bool = False) -> _Plan:  # fmt: skip
+          band: Band | None = None, dropout_p: float = 0.0, grouped: bool = False,
+          varlen: tuple[int, int, int] | None = None) -> _Plan:  # fmt: skip
     """The plan of this call's layout: created, not yet run, on the first call with it (the forward's
     after checking its inputs). tensors starts with q and k (and v); grad_lse: whether the backward gets
     a gradient of L; band: band_of's. dropout_p is in the key as the scale is: its threshold and scale are
     arguments that the JIT specializes (by their size), which a plan's direct launches must keep.
     grouped: whether k and v may have fewer heads than q (checked with the inputs, so in the key:
-    FlashAttentionTriton's calls refuse what triton_forward's accept)."""
+    FlashAttentionTriton's calls refuse what triton_forward's accept). varlen: packed sequences' (batch,
+    max_seqlen_q, max_seqlen_k), q (total_q, Hq, d) and k (total_k, Hkv, d), checked by the caller
+    (_validation.varlen_op_arguments); tensors then end with cu_seqlens_q and cu_seqlens_k."""
     try:
         precision = _inputs.input_precision(q.dtype)
         layouts = ((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
         key = (pass_name, is_causal, type(is_causal), scale, config, precision, deterministic, grad_lse, band,
-               dropout_p, grouped, *layouts)  # fmt: skip
+               dropout_p, grouped, varlen, *layouts)  # fmt: skip
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable scale: check_inputs says which
         check_inputs(q, *tensors[1:3], is_causal, scale, enable_gqa=grouped)
         raise
     if plan is None:
-        if pass_name == "fwd":
+        if pass_name == "fwd" and varlen is None:
             scale = check_inputs(q, *tensors[1:3], is_causal, scale, enable_gqa=grouped)
+        if pass_name == "fwd":
+            scale = check_scale(scale, q.shape[-1])
             check_head_dim(q)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
         head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
-        batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
-        heads, kv_heads = q.shape[-3], tensors[1].shape[-3]
+        if varlen is None:
+            batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
+            heads, kv_heads = q.shape[-3], tensors[1].shape[-3]
+        else:  # (total, H, d)
+            (batch, seqlen_q, seqlen_k), heads, kv_heads = varlen, q.shape[1], tensors[1].shape[1]
+            batch_heads = batch * heads
         group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
         # (small problems never run the Gluon kernels: their first call need not import Gluon)
-        hopper = not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim) and _hopper.supports(
-            pass_name, q, tensors, head_dim)  # fmt: skip
+        hopper = (varlen is None and not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim)
+                  and _hopper.supports(pass_name, q, tensors, head_dim))  # fmt: skip
         problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                           _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
                           deterministic, band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
-                          group)  # fmt: skip
+                          group, varlen is not None)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
             raise ValueError(
@@ -126,7 +139,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         # not where a gradient of L joins D, which the preprocess path adds).
         delta_from_o = problem.small and precision != "tf32x3" and not grad_lse
         mask_args = {**kernel_band(band, seqlen_q, seqlen_k), "CAUSAL": is_causal and band is None,
-                     "dropout_threshold": threshold(dropout_p), "dropout_scale": 1.0 / (1.0 - dropout_p),
+                     "dropout_threshold": threshold(dropout_p), "dropout_scale": kept_scale(dropout_p),
                      "DROPOUT": dropout_p > 0.0}  # fmt: skip
         plan = _plans[key] = _Plan(scale, _inputs.host_descriptors(q.device), as_is, problem,
                                    candidates(problem), config, delta_from_o=delta_from_o,
@@ -213,9 +226,10 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    config: ForwardConfig | None = None, *, window: tuple[int, int] | None = None,
                    dropout_p: float = 0.0,
                    rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O is contiguous, L float32
-    of shape q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than
-    q: grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
+    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O dense in q's order of
+    dims (_inputs.output_like: q's strides where q is dense, as SDPA's), L float32 of shape
+    q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than q:
+    grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
     head h reading K/V head h // (Hq / Hkv). window=(left, right), -1 unbounded: query i sees keys
     i - left .. i + right only (and right = 0 under is_causal), top-left aligned; a row that sees no key
     gets O 0, L -inf. dropout_p > 0 drops probabilities as _dropout says, from rng_state
@@ -238,12 +252,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     kernels = _launcher.kernels()
     scale = plan.scale
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = _inputs.output_like(q)
     if q.numel() == 0:
-        return torch.empty_like(q, memory_format=torch.contiguous_format), lse, plan
+        return out, lse, plan
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
     precision = plan.problem.precision
     q4, k4, v4 = _kernel_views(plan, (q, k, v))
-    o4 = torch.empty(q4.shape, dtype=q.dtype, device=q.device)
+    o4 = out if plan.as_is else _inputs.kernel_output(out, head_dim, host)
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     group = plan.problem.group
@@ -278,23 +293,22 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             "L": lse, "Partials": partials, "batch": batch, "heads": heads, "group": group,
             "seqlen_q": seqlen_q, "seqlen_k": seqlen_k, "head_dim": head_dim,
             "qk_scale": scale * kernels.LOG2E, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
-            "INPUT_PRECISION": precision, "SPLIT_KV": split, "Rng": rng_state, **mask_args,
+            "INPUT_PRECISION": precision, "SPLIT_KV": split, "Rng": rng_state, **mask_args, **_NOT_PACKED,
         }  # fmt: skip
         if not split:
             return main
         return main, {
-            "Partials": partials, "Out": o4, "L": lse, "batch_heads": batch * heads, "seqlen_q": seqlen_q,
-            "partial_rows": rows, "head_dim": head_dim, "SPLITS": c.kv_splits, "BLOCK_M": COMBINE_ROWS,
-            "BLOCK_D": block_d,
+            "Partials": partials, "Out": o4, "L": lse, "batch_heads": batch * heads, "heads": heads,
+            "seqlen_q": seqlen_q, "partial_rows": rows, "head_dim": head_dim, "stride_oz": o4.stride(0),
+            "stride_oh": o4.stride(1), "stride_om": o4.stride(2), "SPLITS": c.kv_splits,
+            "BLOCK_M": COMBINE_ROWS, "BLOCK_D": block_d,
         }  # fmt: skip
 
     with _launcher.device_guard(q):
         _run(plan, launcher, args, q.device)
-    if plan.as_is or o4.shape == q.shape:
-        return o4, lse, plan
-    # A head dim padded up to 16 bytes a row: the output is the unpadded part, contiguous (a custom op's
-    # outputs are, as its fake implementation says).
-    return o4[..., : q.shape[-1]].reshape(q.shape).contiguous(), lse, plan
+    # (a copy only where the kernels could not write out in place: a head dim padded up to 16 bytes a row,
+    # or a layout that kernel-built descriptors cannot describe)
+    return _inputs.copy_back(out, o4), lse, plan
 
 
 def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -317,7 +331,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     kernels = _launcher.kernels()
     band = band_of(window, is_causal)
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
-        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+        return tuple(_inputs.output_like(t).zero_() for t in (q, k, v))
     plan = _backward_plan(forward_plan, (q, k, v, out, grad_out), is_causal, scale, config, deterministic,
                           grad_lse is not None, band, dropout_p)  # fmt: skip
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
@@ -326,11 +340,16 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     batch, heads, seqlen_q, _ = q4.shape
     seqlen_k = k4.shape[2]
     group = plan.problem.group
-    if share_allocation and q4.shape == k4.shape:  # an allocation is host time a small problem notices
-        dq4, dk4, dv4 = torch.empty((3, *q4.shape), dtype=q4.dtype, device=q4.device).unbind()
-    else:  # dK and dV of each query head: K/V's heads under GQA until summed over the groups
-        dq4, dk4, dv4 = (torch.empty((batch, heads, *t.shape[2:]), dtype=t.dtype, device=t.device)
-                         for t in (q4, k4, v4))  # fmt: skip
+    # The gradients in their inputs' layouts (_inputs.output_like), written in place where the kernels can
+    # address them (as_is: contiguous 4-D inputs, so contiguous gradients).
+    if share_allocation and plan.as_is and q.shape == k.shape:  # an allocation is host time a small problem
+        grads = torch.empty((3, *q.shape), dtype=q.dtype, device=q.device).unbind()  # notices
+    else:
+        grads = tuple(_inputs.output_like(t) for t in (q, k, v))
+    dq4, dk4, dv4 = grads if plan.as_is else (_inputs.kernel_output(g, head_dim, host) for g in grads)
+    if group > 1:  # dK and dV of each query head until summed over the groups into dk4 and dv4
+        sums = dk4, dv4
+        dk4, dv4 = (torch.empty((batch, heads, *t.shape[2:]), dtype=t.dtype, device=t.device) for t in sums)
     delta = None if delta_from_o else torch.empty_like(lse)
     q_in, do_in, k_in, v_in = _kernel_inputs(plan, q4, do4, k4, v4)
     # dQ of the atomic variant: a float32 sum, zeroed before each run (by the preprocess where there is
@@ -379,6 +398,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             "scale": scale, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_D": block_d,
             "ATOMIC_DQ": c.atomic_dq, "DELTA_FROM_O": delta_from_o, "INPUT_PRECISION": precision,
             "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase, "Rng": rng_state, **mask_args,
+            **_NOT_PACKED,
         }  # fmt: skip
 
     def preprocess() -> None:  # D (less the gradient of L), and the atomic variant's dQ sum zeroed
@@ -404,18 +424,181 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if used.atomic_dq:
         dq4.copy_(dq_acc[:, :, :seqlen_q, :head_dim])
     if group > 1:
-        dk4, dv4 = _group_sums(dk4, group), _group_sums(dv4, group)
+        dk4, dv4 = (_group_sums(g, group, s) for g, s in zip((dk4, dv4), sums, strict=True))
     if plan.as_is:
-        return dq4, dk4, dv4
-    return tuple(g if g.shape == t.shape else g[..., : t.shape[-1]].reshape(t.shape).contiguous()
-                 for g, t in zip((dq4, dk4, dv4), (q, k, v), strict=True))  # fmt: skip
+        return grads
+    return tuple(_inputs.copy_back(g, g4) for g, g4 in zip(grads, (dq4, dk4, dv4), strict=True))
 
 
-def _group_sums(grad: torch.Tensor, group: int) -> torch.Tensor:
-    """dK or dV per query head, (Z, H, T, d), summed over each group of `group` heads to (Z, H / group, T,
-    d) (torch accumulates 16-bit sums in float32 and rounds once)."""
+def supports_varlen(q: torch.Tensor, window: tuple[int, int] | None) -> bool:
+    """Whether the tuned kernels take packed sequences of q's dtype: without a window, and not float32 at
+    full accuracy (tf32x3's parts are laid out by batch; the feature kernels take those)."""
+    return window is None and _inputs.input_precision(q.dtype) != "tf32x3"
+
+
+def _packed_view(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Packed (total, H, d) x as the VARLEN kernels read it: contiguous, padded with zeros to head_dim."""
+    if x.shape[-1] < head_dim:
+        x = torch.nn.functional.pad(x, (0, head_dim - x.shape[-1]))
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _packed_output(out: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The contiguous (total, H, head_dim) that the VARLEN kernels write `out` (output_like's) through: out
+    itself where it is contiguous and unpadded, else one that _inputs.copy_back copies into out."""
+    return _inputs.kernel_output(out, head_dim, host=False)[0]  # (kernel-built descriptors: packed rows)
+
+
+def _varlen_args(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> dict[str, Any]:
+    return {"CuSeqlensQ": cu_seqlens_q, "CuSeqlensK": cu_seqlens_k, "VARLEN": True}
+
+
+def triton_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                          scale: float | None, config: ForwardConfig | None = None, *, dropout_p: float = 0.0,
+                          rng_state: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(O, L) of packed sequences from attn_fwd's VARLEN path: flash-attn's layout, q (total_q, Hq, d), k
+    and v (total_k, Hkv, d) with Hkv dividing Hq, sequence b the rows cu_seqlens[b]:cu_seqlens[b + 1]
+    (int32, checked by the caller: _validation.varlen_op_arguments), max_seqlen_q/_k at least its longest.
+    O (total_q, Hq, d) in q's layout (_inputs.output_like, as the fake implementation's), L float32
+    (total_q, Hq); is_causal top-left within each sequence;
+    dropout's counters those of _dropout.Dropout.packed. Only where supports_varlen; never split key
+    tiles or the Gluon kernels. A sequence without keys gets O 0 and L -inf."""
+    check_rng(dropout_p, rng_state)
+    batch = cu_seqlens_q.numel() - 1
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # (indexed by z)
+    plan = _plan("fwd", q, (q, k, v, cu_seqlens_q, cu_seqlens_k), is_causal, scale, config,
+                 dropout_p=dropout_p, grouped=True, varlen=(batch, max_seqlen_q, max_seqlen_k))  # fmt: skip
+    check_device(q)
+    kernels = _launcher.kernels()
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = _inputs.output_like(q)
+    if q.numel() == 0 or k.numel() == 0:  # no query sees any key
+        return out.zero_(), lse.fill_(float("-inf"))
+    head_dim, block_d = plan.problem.head_dim, plan.problem.block_d
+    q3, k3, v3 = (_packed_view(t, head_dim) for t in (q, k, v))
+    o3 = _packed_output(out, head_dim)
+    heads = q.shape[1]
+    shared = {"L": lse, "Partials": None, "batch": batch, "heads": heads, "group": plan.problem.group,
+              "seqlen_q": max_seqlen_q, "seqlen_k": max_seqlen_k, "head_dim": head_dim,
+              "qk_scale": plan.scale * kernels.LOG2E, "BLOCK_D": block_d,
+              "INPUT_PRECISION": plan.problem.precision, "SPLIT_KV": False, "Rng": rng_state,
+              **plan.mask_args, **_varlen_args(cu_seqlens_q, cu_seqlens_k)}  # fmt: skip
+
+    def launcher(c: ForwardConfig) -> Launcher:
+        return Launcher(kernels.attn_fwd, (-(-max_seqlen_q // c.block_m) * batch * heads,), c)
+
+    def args(c: ForwardConfig) -> dict[str, Any]:
+        # (the kernels build each sequence's descriptors: a host-built one would span every sequence)
+        return {"Q": q3, "K": k3, "V": v3, "Out": o3, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, **shared}
+
+    with _launcher.device_guard(q):
+        _run(plan, launcher, args, q.device)
+    return _inputs.copy_back(out, o3), lse
+
+
+def triton_varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                           lse: torch.Tensor, grad_out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                           scale: float, config: BackwardConfig | None = None, *,
+                           grad_lse: torch.Tensor | None = None, deterministic: bool = False,
+                           dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dQ, dK, dV) of triton_varlen_forward's problem, from attn_bwd's VARLEN path (as triton_backward:
+    D = rowsum(dO * O) and grad_lse, the atomic dQ unless deterministic, dK and dV per query head summed
+    over each group after), each in its input's layout as triton_varlen_forward's O."""
+    check_rng(dropout_p, rng_state)
+    batch = cu_seqlens_q.numel() - 1
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # (indexed by z)
+    if k.numel() == 0 or q.numel() == 0 or batch == 0:  # no query sees any key: zero gradients
+        return tuple(_inputs.output_like(t).zero_() for t in (q, k, v))
+    plan = _plan("bwd", q, (q, k, v, out, grad_out, cu_seqlens_q, cu_seqlens_k), is_causal, scale, config,
+                 deterministic, grad_lse is not None, dropout_p=dropout_p, grouped=True,
+                 varlen=(batch, max_seqlen_q, max_seqlen_k))  # fmt: skip
+    kernels = _launcher.kernels()
+    head_dim, block_d, delta_from_o = plan.problem.head_dim, plan.problem.block_d, plan.delta_from_o
+    q3, k3, v3, o3, do3 = (_packed_view(t, head_dim) for t in (q, k, v, out, grad_out))
+    (total_q, heads, _), total_k = q3.shape, k3.shape[0]
+    group = plan.problem.group
+    grads = tuple(_inputs.output_like(t) for t in (q, k, v))
+    dq3, dk3, dv3 = (_packed_output(g, head_dim) for g in grads)
+    if group > 1:  # dK and dV of each query head until summed over the groups into dk3 and dv3
+        sums = dk3, dv3
+        dk3, dv3 = (torch.empty((total_k, heads, head_dim), dtype=t.dtype, device=t.device) for t in sums)
+    lse_t = lse.t().contiguous()  # (H, total_q): each head's rows in a run, as the kernels read L and D
+    delta = None if delta_from_o else torch.empty_like(lse_t)
+    # The atomic dQ's float32 sum, (1, H, rows, block_d), rows those of the packed queries: a tile past a
+    # sequence's end adds zeros up to 128 rows further.
+    dq_acc_rows = -(-total_q // 128) * 128 + 128
+    dq_acc = None
+    shared = {"Q_S": q3, "DO_S": do3, "K_S": k3, "V_S": v3, "Q_T": q3, "DO_T": do3, "K_T": k3, "V_T": v3,
+              "DQ": dq3, "DK": dk3, "DV": dv3, "L": lse_t, "Delta": delta,
+              "O_S": o3 if delta_from_o else None, "O_T": o3 if delta_from_o else None,
+              "batch": batch, "heads": heads, "group": plan.problem.group, "seqlen_q": max_seqlen_q,
+              "seqlen_k": max_seqlen_k, "head_dim": head_dim, "dq_acc_rows": dq_acc_rows,
+              "qk_scale": scale * kernels.LOG2E, "scale": scale, "BLOCK_D": block_d,
+              "DELTA_FROM_O": delta_from_o, "INPUT_PRECISION": plan.problem.precision, "Rng": rng_state,
+              **plan.mask_args, **_varlen_args(cu_seqlens_q, cu_seqlens_k)}  # fmt: skip
+
+    def launcher(c: BackwardConfig) -> Launcher | LaunchPair:
+        key_tiles, query_tiles = -(-max_seqlen_k // c.block_n), -(-max_seqlen_q // c.block_n)
+        if c.split:
+            dq = Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), dq_launch(c))
+            return LaunchPair(Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
+        programs = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
+        return Launcher(kernels.attn_bwd, (programs * batch * heads,), c)
+
+    def phase_args(c: BackwardConfig, phase: str) -> dict[str, Any]:
+        # (Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics)
+        acc = tiles(dq_acc, c.block_m, block_d, plan.host and q.is_cuda) if c.atomic_dq else None
+        return {"DQ_ACC": acc, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "ATOMIC_DQ": c.atomic_dq,
+                "TRANSPOSED_GRADS": c.transposed_grads, "PHASE": phase, **shared}  # fmt: skip
+
+    def args(c: BackwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
+        nonlocal dq_acc
+        dq_acc = None
+        if c.atomic_dq:
+            dq_acc = (torch.zeros if delta is None else torch.empty)(1, heads, dq_acc_rows, block_d,
+                                                                      dtype=torch.float32, device=q.device)
+        if c.split:
+            return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
+        return phase_args(c, "both")
+
+    def preprocess() -> None:  # D (less the gradient of L), and the atomic variant's dQ sum zeroed
+        rows = 64
+        clears = dq_acc is not None
+        launch = plan.preprocess.get(clears)
+        if launch is None:
+            launch = plan.preprocess[clears] = Launcher(kernels.attn_bwd_preprocess,
+                                                        (heads, -(-dq_acc_rows // rows)))  # fmt: skip
+        row = heads * head_dim  # O and dO as (1, H, total_q, d): rows `row` apart
+        launch({
+            "Out": o3, "DO": do3, "Delta": delta, "DQ_ACC": dq_acc, "stride_oz": 0, "stride_oh": head_dim,
+            "stride_om": row, "stride_dz": 0, "stride_dh": head_dim, "stride_dm": row,
+            "heads": heads, "seqlen_q": total_q, "head_dim": head_dim, "dq_acc_rows": dq_acc_rows,
+            "BLOCK_D": block_d, "BLOCK_M": rows,
+        })  # fmt: skip
+        if grad_lse is not None:
+            delta.sub_(grad_lse.t())
+
+    with _launcher.device_guard(q):
+        used = _run(plan, launcher, args, q.device, preprocess if delta is not None else None)
+    if used.atomic_dq:
+        dq3.copy_(dq_acc[0, :, :total_q, :head_dim].transpose(0, 1))
+    if group > 1:
+        dk3, dv3 = (_group_sums(g, group, s) for g, s in zip((dk3, dv3), sums, strict=True))
+    return tuple(_inputs.copy_back(g, g3) for g, g3 in zip(grads, (dq3, dk3, dv3), strict=True))
+
+
+def _group_sums(grad: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
+    """dK or dV per query head, (Z, H, T, d) (or packed, (total, H, d)), summed over each group of `group`
+    heads into out, (Z, H / group, T, d) (or (total, H / group, d)) of any strides (torch accumulates
+    16-bit sums in float32 and rounds once)."""
     batch, heads, *rest = grad.shape
-    return grad.view(batch, heads // group, group, *rest).sum(2)
+    return torch.sum(grad.view(batch, heads // group, group, *rest), 2, out=out)
 
 
 class FlashAttentionTriton(AttentionFunction):
