@@ -132,3 +132,13 @@ def test_split_backward_dq_launch_takes_its_own_steps():
         replace(config, dq_block_m=24)
     with pytest.raises(ValueError, match="dq_stages=0"):
         replace(config, dq_stages=0)
+
+
+def test_candidate_lists_are_the_callers_own():
+    """A caller that extends its candidate list (as a test adding split variants does) leaves the table,
+    and every later caller's list, as it was."""
+    for table in (_configs.forward_candidates, _configs.backward_candidates):
+        first = table(64, 2, False)
+        before = list(first)
+        first += first
+        assert table(64, 2, False) == before

@@ -315,27 +315,30 @@ def test_hopper_forward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_
 
 @needs_hopper_gluon
 def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypatch):
-    """Candidates for contiguous 16-bit problems with T a multiple of 128, a head dim each compiles
-    for (forward 64, 128; backward 16, 32, 64) and K/V of q's heads; never for others (grouped-query
-    attention's K and V have fewer heads)."""
+    """Candidates for 16-bit problems with T a multiple of 128, a head dim each compiles for (forward 64,
+    128; backward 16, 32, 64), inputs in (B, H, T, d) or (B, T, H, d) memory, grouped-query attention or
+    not, causal windows, rows of a wider tensor; never for others (ragged lengths, head dims padded for
+    the kernels, windows that see ahead)."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     offered = {}
-    problems = [("d=64", 256, "contiguous", 64), ("d=128", 256, "contiguous", 128),
-                ("d=32", 256, "contiguous", 32), ("ragged", 250, "contiguous", 64),
-                ("transposed", 256, "transposed", 64), ("d=48", 256, "contiguous", 48),
-                ("gqa", 256, "contiguous", 64)]
-    for name, seqlen, layout, head_dim in problems:
-        p = problem((1, 2), seqlen, seqlen, head_dim, torch.bfloat16, True, device="cuda", layout=layout)
+    problems = [("d=64", 256, "contiguous", 64, None), ("d=128", 256, "contiguous", 128, None),
+                ("d=32", 256, "contiguous", 32, None), ("ragged", 250, "contiguous", 64, None),
+                ("transposed", 256, "transposed", 64, None), ("d=48", 256, "contiguous", 48, None),
+                ("gqa", 256, "contiguous", 64, None), ("causal-window", 256, "contiguous", 64, (64, 0)),
+                ("window-ahead", 256, "contiguous", 64, (64, 32)), ("padded", 256, "padded", 64, None)]
+    for name, seqlen, layout, head_dim, window in problems:
+        is_causal = window is None or window[1] == 0
+        p = problem((1, 2), seqlen, seqlen, head_dim, torch.bfloat16, is_causal, device="cuda", layout=layout)
         k, v = (p.k[:, :1], p.v[:, :1]) if name == "gqa" else (p.k, p.v)  # one K/V head for both
-        out, lse = triton_impl.triton_forward(p.q, k, v, True, 0.125)
-        triton_impl.triton_backward(p.q, k, v, out, lse, p.grad_out, True, 0.125)
+        out, lse = triton_impl.triton_forward(p.q, k, v, is_causal, 0.125, window=window)
+        triton_impl.triton_backward(p.q, k, v, out, lse, p.grad_out, is_causal, 0.125, window=window)
         plans = triton_impl._plans.items()
         offered[name] = {key[0]: any(c.hopper for c in plan.candidates) for key, plan in plans}
         triton_impl._plans.clear()
-    no = {"fwd": False, "bwd": False}
-    assert offered == {"d=64": {"fwd": True, "bwd": True}, "d=128": {"fwd": True, "bwd": False},
-                       "d=32": {"fwd": False, "bwd": True}, "ragged": no, "transposed": no, "d=48": no,
-                       "gqa": no}
+    no, both = {"fwd": False, "bwd": False}, {"fwd": True, "bwd": True}
+    assert offered == {"d=64": both, "d=128": {"fwd": True, "bwd": False},
+                       "d=32": {"fwd": False, "bwd": True}, "ragged": no, "transposed": both, "d=48": no,
+                       "gqa": both, "causal-window": both, "window-ahead": no, "padded": both}
 
 
 def test_tuner_offers_split_key_tiles_only_to_small_problems_short_of_programs():

@@ -14,6 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashattn_triton import (
     _configs,
+    _hopper,
     _inputs,
     _planning,
     feature_impl,
@@ -415,6 +416,67 @@ def test_bands_route_to_the_tuned_kernels_only_where_they_apply(monkeypatch):
     flash_attention(q, k[:, :2], v[:, :2], is_causal=True, window_size=(64, 0), enable_gqa=True)
     flash_attention(q[:, :, :100], k, v, window_size=(64, 32))  # Tq != Tk
     assert calls == ["triton_forward", "triton_forward", "triton_forward", "feature_forward"]
+
+
+def in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(B, H, T, d) q, k, v as a model hands them over: 'bhtd' contiguous; 'bthd' views of (B, T, H, d)
+    memory (proj(x).view(B, T, H, d).transpose(1, 2)); 'fused' views of one (B, T, 3, H, d) projection."""
+    if layout == "bhtd":
+        return q, k, v
+    if layout == "bthd":
+        return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    fused = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2)  # (B, T, 3, H, d)
+    return fused.permute(2, 0, 3, 1, 4).unbind()
+
+
+GLUON_CASES = {  # name: (batch, Hq, Hkv, T, d), layout, is_causal, window_size
+    "gqa4-causal-bthd": ((2, 8, 2, 384, 64), "bthd", True, None),
+    "gqa2-full": ((1, 4, 2, 256, 64), "bhtd", False, None),
+    "fused-qkv-causal": ((2, 4, 4, 256, 64), "fused", True, None),
+    "fused-qkv-full-d128": ((1, 2, 2, 384, 128), "fused", False, None),
+    "window-100": ((1, 4, 4, 1024, 64), "bhtd", True, (100, 0)),
+    "window-0": ((2, 2, 2, 512, 64), "bhtd", True, (0, 0)),
+    "window-192-gqa2-bthd": ((2, 4, 2, 768, 64), "bthd", True, (192, 0)),
+    "window-1000-gqa4-d128": ((1, 8, 2, 1280, 128), "bthd", False, (1000, 0)),
+    "window-wider-than-t-d32": ((1, 2, 2, 384, 32), "bhtd", True, (500, 0)),
+}
+
+
+needs_hopper_gluon = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _hopper.available()),
+    reason="the Gluon kernels need an sm_90 GPU and a Triton with Gluon for Hopper",
+)
+
+
+@needs_hopper_gluon
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, case, dtype):
+    """The Gluon kernels, named (a config they refuse raises), on grouped-query attention, the (B, T, H, d)
+    memory of a model's transposed and fused projections (outputs and gradients in place, in that layout)
+    and causal sliding windows: float64's values. The outputs' memory starts as NaN, so a tile a kernel
+    fails to write shows."""
+    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(triton_impl, "_plans", {})
+    (batch, q_heads, kv_heads, seqlen, head_dim), layout, is_causal, window = GLUON_CASES[case]
+    q, k, v, grad_out = qkv(batch, q_heads, kv_heads, seqlen, seqlen, head_dim, dtype)
+    q, k, v = in_layout(layout, q, k, v)
+    grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2) if layout != "bhtd" else grad_out
+    args = op_arguments(q, k, v, is_causal=is_causal, window_size=window, enable_gqa=True)
+    want = float64_torch_path(args, grad_out)
+    gluon = {pass_name: head_dim in _hopper.HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
+    forward = _configs.HOPPER_FORWARD[0] if gluon["fwd"] else None
+    backward = _configs.HOPPER_BACKWARD[0] if gluon["bwd"] else None
+    torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations' memory)
+    out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)
+    grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, args.scale, backward,
+                                        window=window)  # fmt: skip
+    assert out.stride() == _inputs.output_like(q).stride()
+    assert [g.stride() for g in grads] == [_inputs.output_like(t).stride() for t in (q, k, v)]
+    assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)
+    if forward is not None and backward is not None:
+        offered = [plan.problem.uses_hopper for plan in triton_impl._plans.values()]
+        assert offered and all(offered)
 
 
 TUNED_DROPOUT_CASES = {  # name: (batch, Hq, Hkv, Tq, Tk, d), is_causal, large-problem path, window_size

@@ -150,13 +150,15 @@ def test_dropout_problems_run_no_gluon_kernels_and_small_ones_add_no_dq_atomical
     assert not any(c.atomic_dq for c in candidates(dataclasses.replace(small, deterministic=True)))
 
 
-def test_grouped_problems_are_offered_no_hopper_kernels_and_tune_apart():
-    """Grouped-query attention (K/V heads shared by a group of query heads) never runs the Gluon kernels,
-    and keeps its tuned choice apart from attention without groups, by the group's size class."""
+def test_grouped_problems_are_offered_hopper_kernels_where_supported_and_tune_apart():
+    """Grouped-query attention (K/V heads shared by a group of query heads) is offered the Gluon kernels
+    where _hopper.supports says they take it (Problem.hopper), and keeps its tuned choice apart from
+    attention without groups, by the group's size class."""
     problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
     grouped = dataclasses.replace(problem, group=8)
-    assert any(c.hopper for c in candidates(problem)) and not any(c.hopper for c in candidates(grouped))
-    assert dataclasses.replace(problem, hopper=False).size_key != grouped.size_key
+    assert any(c.hopper for c in candidates(grouped))
+    assert not any(c.hopper for c in candidates(dataclasses.replace(grouped, hopper=False)))
+    assert problem.size_key != grouped.size_key
     assert dataclasses.replace(grouped, group=5).size_key == grouped.size_key
     assert dataclasses.replace(grouped, group=2).size_key != grouped.size_key
 
@@ -169,13 +171,14 @@ def test_small_problems_are_offered_split_key_tiles_by_size_class():
     assert _planning.size_class(4000) == 4096 and _planning.size_class(4096) == 4096
 
 
-def test_bands_get_no_gluon_kernels_and_split_key_tiles_only_where_their_span_is_long():
+def test_bands_tune_apart_and_get_split_key_tiles_only_where_their_span_is_long():
     """A band (sliding window) is tuned apart from the full problem and by its span's size class; the
-    Gluon kernels, which have no band, are never its candidates; split key tiles are offered by the keys
-    a query tile walks, its band's span rather than Tk."""
+    Gluon kernels are its candidates where _hopper.supports takes it (a causal window); split key tiles
+    are offered by the keys a query tile walks, its band's span rather than Tk."""
     full = Problem("fwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
     band = dataclasses.replace(full, band_span=1025)
-    assert any(c.hopper for c in candidates(full)) and not any(c.hopper for c in candidates(band))
+    assert any(c.hopper for c in candidates(band))
+    assert not any(c.hopper for c in candidates(dataclasses.replace(band, hopper=False)))
     assert band.size_key != full.size_key
     assert band.size_key != dataclasses.replace(full, band_span=4097).size_key
     assert band.size_key == dataclasses.replace(full, band_span=2000).size_key

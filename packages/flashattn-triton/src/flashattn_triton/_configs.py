@@ -119,9 +119,10 @@ _BACKWARD = {
 
 
 def _row(table: dict, block_d: int, element_size: int) -> list:
-    # Head dims up to 64 (and float32's up to 32) share the candidates of the next size up.
+    # Head dims up to 64 (and float32's up to 32) share the candidates of the next size up. A copy: a
+    # caller's list may grow (split key tiles, a test's variants) without changing the table.
     smallest = 64 if element_size == 2 else 32
-    return table[(max(block_d, smallest), element_size)]
+    return list(table[(max(block_d, smallest), element_size)])
 
 
 def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list[ForwardConfig]:

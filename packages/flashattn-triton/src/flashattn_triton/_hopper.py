@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from flashattn_triton._inputs import as_4d
 from flashattn_triton._tiles import Tiles
 
 # Head dims each kernel compiles for without spills (the backward at d = 128 spilled 352 bytes and lost
@@ -55,15 +56,45 @@ def available() -> bool:
     return _gluon() is not None
 
 
-def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int) -> bool:
+def head_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """How a (Z, H, T, d) tensor's heads sit in the matrix ``matrix`` describes: its rows are the tensor's
+    time steps (stride t.stride(2)), head (z, h) starting at row z * zr + h * hr and column h * hc; returns
+    (zr, hr, hc). Heads outside the rows (Z, H, T, d memory: zr = H * T, hr = T, hc = 0) or inside them
+    ((Z, T, H, d) memory, a model's transposed view, or a fused projection's: zr = T, hr = 0, hc = d's
+    stride); None for another layout, or one TMA cannot take (16-byte aligned start and strides, unit
+    stride along d)."""
+    heads, seqlen, head_dim = t.shape[1:]
+    stride_z, stride_h, stride_t, stride_d = t.stride()
+    size = t.element_size()
+    aligned = t.data_ptr() % 16 == 0 and stride_t * size % 16 == 0 and stride_h * size % 16 == 0
+    if stride_d != 1 or not aligned or (t.shape[0] > 1 and stride_z % stride_t):
+        return None
+    rows_per_z = stride_z // stride_t if t.shape[0] > 1 else 0
+    if heads == 1:
+        return rows_per_z, 0, 0
+    if stride_h % stride_t == 0 and stride_h >= seqlen * stride_t:  # whole heads after one another
+        return rows_per_z, stride_h // stride_t, 0
+    if (heads - 1) * stride_h + head_dim <= stride_t and stride_h >= head_dim:  # heads side by side in a row
+        return rows_per_z, 0, stride_h
+    return None
+
+
+def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int,
+             band: tuple[int, int] | None = None) -> bool:
     """Whether the Gluon kernel of pass_name ("fwd" or "bwd") runs this problem: Hopper, 16-bit, a head
-    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, contiguous tensors (q, k, v[, out, dO]) all of
-    q's shape (so not grouped-query attention, whose K and V have fewer heads)."""
+    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, K/V heads dividing q's (grouped-query attention),
+    every tensor (q, k, v[, out, dO]) in a head_layout, k's and v's the same, and no band other than a
+    causal sliding window (right = 0)."""
     sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
     if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS[pass_name]):
         return False
-    seqlen = q.shape[-2]
-    if seqlen % 128 or any(t.shape != q.shape or not t.is_contiguous() for t in tensors):
+    tensors = tuple(as_4d(t) for t in tensors)
+    q, k, v = tensors[:3]
+    seqlen, heads, kv_heads = q.shape[-2], q.shape[1], k.shape[1]
+    if seqlen % 128 or k.shape[-2] != seqlen or heads % kv_heads or (band is not None and band[1] != 0):
+        return False
+    layouts = [head_layout(t) for t in tensors]
+    if None in layouts or layouts[1] != layouts[2]:
         return False
     return torch.cuda.get_device_capability(q.device) == (9, 0) and available()
 
@@ -73,32 +104,54 @@ def kernel(pass_name: str) -> Any:
     return kernels.attn_fwd if pass_name == "fwd" else kernels.attn_bwd
 
 
-def _rows(t: torch.Tensor, n: int) -> Tiles:
-    """A descriptor over the (Z*H*T, d) view of a contiguous (Z, H, T, d) tensor, tiles of n rows."""
-    head_dim = t.shape[-1]
-    return Tiles(t.view(-1, head_dim), (n, head_dim), _gluon().tiles)
+def matrix(t: torch.Tensor, n: int) -> tuple[Tiles, tuple[int, int, int]]:
+    """A descriptor moving tiles of n rows of (Z, H, T, d) t, over the matrix whose rows are t's time steps
+    (as far as its last head's last row reaches), and head_layout(t)."""
+    layout = head_layout(t)
+    stride_t, head_dim = t.stride(2), t.shape[-1]
+    rows = (t.shape[0] - 1) * layout[0] + (t.shape[1] - 1) * layout[1] + t.shape[2]
+    columns = (t.shape[1] - 1) * layout[2] + head_dim
+    view = t.as_strided((rows, columns), (stride_t, 1))
+    return Tiles(view, (n, head_dim), _gluon().tiles), layout
+
+
+def _band_args(is_causal: bool, window_left: int | None) -> dict[str, Any]:
+    """CAUSAL, WINDOW and window_left: a window (left, 0) is causal attention that also hides keys more
+    than window_left before the query."""
+    window = window_left is not None
+    return dict(CAUSAL=is_causal or window, WINDOW=window, window_left=window_left or 0)
 
 
 def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 block_m: int, block_n: int, stages: int, is_causal: bool, scale: float) -> dict[str, Any]:
+                 block_m: int, block_n: int, stages: int, is_causal: bool, scale: float,
+                 window_left: int | None) -> dict[str, Any]:  # fmt: skip
     """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step."""
     rows = block_m // 2
-    return dict(q_desc=_rows(q, rows), k_desc=_rows(k, block_n), v_desc=_rows(v, block_n),
-                o_desc=_rows(out, rows), L=lse, T=q.shape[2], ZH=q.shape[0] * q.shape[1],
-                qk_scale=scale * _gluon().LOG2E, CAUSAL=is_causal, STAGES=stages,
-                CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS)  # fmt: skip
+    (q_desc, (q_zr, q_hr, q_hc)), (o_desc, (o_zr, o_hr, o_hc)) = matrix(q, rows), matrix(out, rows)
+    (k_desc, (kv_zr, kv_hr, kv_hc)), (v_desc, _) = matrix(k, block_n), matrix(v, block_n)
+    return dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, L=lse, q_zr=q_zr, q_hr=q_hr,
+                q_hc=q_hc, kv_zr=kv_zr, kv_hr=kv_hr, kv_hc=kv_hc, o_zr=o_zr, o_hr=o_hr, o_hc=o_hc,
+                T=q.shape[2], H=q.shape[1], group=q.shape[1] // k.shape[1], ZH=q.shape[0] * q.shape[1],
+                qk_scale=scale * _gluon().LOG2E, STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
+                **_band_args(is_causal, window_left))  # fmt: skip
 
 
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
-                  scale: float) -> dict[str, Any]:
-    """attn_bwd's arguments: descriptors over the (Z*H*T, d) views (dq_acc: float32, zeroed) and over L
-    and D as (Z*H*T,) vectors."""
+                  scale: float, window_left: int | None) -> dict[str, Any]:  # fmt: skip
+    """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
+    (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors."""
     kernels = _gluon()
-    return dict(q_desc=_rows(q, block_m), k_desc=_rows(k, block_n), v_desc=_rows(v, block_n),
-                do_desc=_rows(grad_out, block_m), dk_desc=_rows(dk, block_n), dv_desc=_rows(dv, block_n),
-                dq_desc=_rows(dq_acc, block_m), l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
-                dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), T=q.shape[2],
-                ZH=q.shape[0] * q.shape[1], qk_scale=scale * kernels.LOG2E, scale=scale, CAUSAL=is_causal,
-                STAGES=stages, LOADER_REGS=LOADER_REGISTERS)  # fmt: skip
+    q_desc, (q_zr, q_hr, q_hc) = matrix(q, block_m)
+    do_desc, (do_zr, do_hr, do_hc) = matrix(grad_out, block_m)
+    (k_desc, (kv_zr, kv_hr, kv_hc)), (v_desc, _) = matrix(k, block_n), matrix(v, block_n)
+    (dk_desc, (dkv_zr, dkv_hr, dkv_hc)), (dv_desc, _) = matrix(dk, block_n), matrix(dv, block_n)
+    return dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, dk_desc=dk_desc,
+                dv_desc=dv_desc, dq_desc=matrix(dq_acc, block_m)[0],
+                l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
+                dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), q_zr=q_zr, q_hr=q_hr, q_hc=q_hc,
+                do_zr=do_zr, do_hr=do_hr, do_hc=do_hc, kv_zr=kv_zr, kv_hr=kv_hr, kv_hc=kv_hc, dkv_zr=dkv_zr,
+                dkv_hr=dkv_hr, dkv_hc=dkv_hc, T=q.shape[2], H=q.shape[1], group=q.shape[1] // k.shape[1],
+                ZH=q.shape[0] * q.shape[1], qk_scale=scale * kernels.LOG2E, scale=scale, STAGES=stages,
+                LOADER_REGS=LOADER_REGISTERS, **_band_args(is_causal, window_left))  # fmt: skip

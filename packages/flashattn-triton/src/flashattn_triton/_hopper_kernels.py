@@ -58,46 +58,71 @@ def dq_layout(num_warps, block_d):
 
 
 @gluon.jit
-def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, row, j,
-              STAGES: gl.constexpr):  # fmt: skip
-    """Q, dO, L and D of step j (rows [row, row + BLOCK_M)) into ring stage j % STAGES; all four complete
-    on that stage's `ready` barrier (one arrival plus the transaction bytes)."""
+def head_start(z, h, rows_per_z, rows_per_h, columns_per_h):
+    """Where head (z, h) of a (Z, H, T, d) tensor starts in the matrix its descriptor moves tiles of
+    (_hopper.matrix): its row and column."""
+    return z * rows_per_z + h * rows_per_h, h * columns_per_h
+
+
+@gluon.jit
+def visible(x, queries, keys, window_left, fill, DIAG: gl.constexpr, EDGE: gl.constexpr):
+    """x where the query sees the key, else fill (queries and keys broadcast against x): DIAG, keys after
+    the query are hidden (a diagonal tile); EDGE, so are keys more than window_left before it (a
+    sliding window's far edge)."""
+    behind = queries - keys
+    if DIAG:
+        x = gl.where(behind >= 0, x, fill)
+    if EDGE:
+        x = gl.where(behind <= window_left, x, fill)
+    return x
+
+
+@gluon.jit
+def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, q_row, q_col, do_row,
+              do_col, l_row, j, STAGES: gl.constexpr):  # fmt: skip
+    """Q, dO, L and D of step j (BLOCK_M rows from each row given) into ring stage j % STAGES; all four
+    complete on that stage's `ready` barrier (one arrival plus the transaction bytes)."""
     s = j % STAGES
     bar = ready.index(s)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
                             + dl_desc.block_type.nbytes)  # fmt: skip
     mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_ring.index(s))
-    tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_ring.index(s))
-    tma.async_copy_global_to_shared(l_desc, [row], bar, l_ring.index(s))
-    tma.async_copy_global_to_shared(dl_desc, [row], bar, dl_ring.index(s))
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], bar, q_ring.index(s))
+    tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_ring.index(s))
+    tma.async_copy_global_to_shared(l_desc, [l_row], bar, l_ring.index(s))
+    tma.async_copy_global_to_shared(dl_desc, [l_row], bar, dl_ring.index(s))
 
 
 @gluon.jit
 def loader(
     q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem, v_smem, ready,
-    empty, kv_bar, bh_row, key0, lo, n, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    empty, kv_bar, q_row, q_col, do_row, do_col, kv_row, kv_col, bh_row, lo, n, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition. Step j reuses stage j % STAGES once the consumers released step j - STAGES
+    """The loader partition: this program's K and V tiles once (from (kv_row, kv_col) of each), then the
+    query tiles from the head's row lo on (the head's rows start at (q_row, q_col) and (do_row, do_col),
+    and at bh_row of L and D). Step j reuses stage j % STAGES once the consumers released step j - STAGES
     on `empty` (its (j // STAGES)-th completion: parity ((j // STAGES) & 1) ^ 1, which a fresh barrier
     passes at once for j < STAGES)."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [bh_row + key0, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [bh_row + key0, 0], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
     for j in range(n):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready,
-                  bh_row + lo + j * BLOCK_M, j, STAGES)  # fmt: skip
+        row = lo + j * BLOCK_M
+        load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, q_row + row,
+                  q_col, do_row + row, do_col, bh_row + row, j, STAGES)  # fmt: skip
 
 
 @gluon.jit
 def step(
     i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty,
-    dq_desc, dk, dv, qk_scale, scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr,
+    dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
 ):  # fmt: skip
-    """One query tile of the consumer warpgroups; returns dK and dV (dK still in flight)."""
+    """One query tile of the consumer warpgroups, masked as visible's DIAG and EDGE say; returns dK and dV
+    (dK still in flight)."""
     s = i % STAGES
     m0 = lo + i * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
@@ -122,10 +147,9 @@ def step(
     mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
 
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-    if MASK:  # a diagonal tile: keys after the query are invisible
-        keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-        queries = m0 + gl.arange(0, BLOCK_M, layout=columns)
-        p_t = gl.where(gl.expand_dims(queries, 0) >= gl.expand_dims(keys, 1), p_t, 0.0)
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    queries = m0 + gl.arange(0, BLOCK_M, layout=columns)
+    p_t = visible(p_t, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), window_left, 0.0, DIAG, EDGE)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[dp_t])
@@ -154,13 +178,16 @@ def step(
 @gluon.jit
 def consumer(
     k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar, dq_desc,
-    dk_desc, dv_desc, bh_row, key0, lo, n, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
-    d_layout: gl.constexpr, q_layout: gl.constexpr,
+    dk_desc, dv_desc, dkv_row, dkv_col, bh_row, key0, lo, n, edge, qk_scale, scale, window_left,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
+    q_layout: gl.constexpr,
 ):  # fmt: skip
     """The compute partition: the diagonal steps unrolled and masked (under causal; else step 0
-    unrolled, unmasked), then the rest in a loop, then dK and dV out through TMA. Peeling keeps ptxas
-    from serializing every wgmma: a loop that may run zero times would feed zero-initialised
+    unrolled, unmasked), then the steps that see every key in a loop, then (a window's) those from step
+    `edge` on that lose keys at its far edge, then dK and dV out through TMA (at (dkv_row, dkv_col) of
+    each). Peeling
+    keeps ptxas from serializing every wgmma: a loop that may run zero times would feed zero-initialised
     accumulators into the epilogue's wait."""
     FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
@@ -169,15 +196,22 @@ def consumer(
     for i in gl.static_range(FIRST):
         dk, dv = step(
             i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready,
-            empty, dq_desc, dk, dv, qk_scale, scale, CAUSAL, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
-            d_layout, q_layout,
+            empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
+            BLOCK_D, s_layout, d_layout, q_layout,
         )  # fmt: skip
-    for i in range(FIRST, n):
+    for i in range(FIRST, edge):
         dk, dv = step(
             i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready,
-            empty, dq_desc, dk, dv, qk_scale, scale, False, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
-            d_layout, q_layout,
+            empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M, BLOCK_N,
+            BLOCK_D, s_layout, d_layout, q_layout,
         )  # fmt: skip
+    if WINDOW:
+        for i in range(edge, n):
+            dk, dv = step(
+                i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring,
+                ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True, STAGES, BLOCK_M,
+                BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+            )  # fmt: skip
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
     # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
     tma.store_wait(pendings=0)
@@ -186,16 +220,23 @@ def consumer(
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [bh_row + key0, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [bh_row + key0, 0], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [dkv_row, dkv_col], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [dkv_row, dkv_col], v_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def attn_bwd(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, T, ZH, qk_scale,
-             scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr):  # fmt: skip
-    """Grid: (T / BLOCK_N * Z * H,), heaviest first (key tile 0 of every head, then tile 1, ...).
-    Descriptors over (Z*H*T, d) views (dq_desc: float32, zeroed, added into) and (Z*H*T,) for L, D."""
+def attn_bwd(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, q_zr, q_hr, q_hc, do_zr,
+    do_hr, do_hc, kv_zr, kv_hr, kv_hc, dkv_zr, dkv_hr, dkv_hc, T, H, group, ZH, qk_scale, scale, window_left,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Grid: (T / BLOCK_N * Z * H,), heaviest first (key tile 0 of every head, then tile 1, ...). Head
+    (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr, _hc:
+    _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h go
+    to head h of dk_desc and dv_desc (per query head: the caller sums each group's). dq_desc: a float32
+    (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,). WINDOW (with CAUSAL): a query also sees no key
+    more than window_left before it."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -209,13 +250,28 @@ def attn_bwd(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc,
     pid = gl.program_id(0)
     tile = pid // ZH
     bh = pid % ZH
+    z = bh // H
+    h = bh % H
     key0 = tile * BLOCK_N
-    bh_row = bh * T  # this head's first row in the flattened views
+    bh_row = bh * T  # this head's first row of L, D and dQ's sum
+    q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
+    do_row, do_col = head_start(z, h, do_zr, do_hr, do_hc)
+    kv_row, kv_col = head_start(z, h // group, kv_zr, kv_hr, kv_hc)
+    dkv_row, dkv_col = head_start(z, h, dkv_zr, dkv_hr, dkv_hc)
     if CAUSAL:
         lo = (key0 // BLOCK_M) * BLOCK_M
     else:
         lo = 0
-    n = (T - lo) // BLOCK_M
+    end = T
+    FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
+    edge = (T - lo) // BLOCK_M
+    if WINDOW:
+        # Queries up to key0 + BLOCK_N - 1 + window_left see the tile; from step `edge` on, a tile's last
+        # query no longer sees key0 (its first row past key0 + window_left - BLOCK_M + 1).
+        end = gl.minimum(T, (key0 + BLOCK_N + window_left + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+        first_lossy = gl.maximum(key0 + window_left + 2 - BLOCK_M - lo, 0)
+        edge = gl.maximum(gl.minimum((first_lossy + BLOCK_M - 1) // BLOCK_M, (end - lo) // BLOCK_M), FIRST)
+    n = (end - lo) // BLOCK_M
 
     dtype: gl.constexpr = k_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
@@ -240,10 +296,12 @@ def attn_bwd(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc,
 
     gl.warp_specialize([
         (consumer, (k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar,
-                    dq_desc, dk_desc, dv_desc, bh_row, key0, lo, n, qk_scale, scale, CAUSAL, STAGES, BLOCK_M,
-                    BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout)),
+                    dq_desc, dk_desc, dv_desc, dkv_row + key0, dkv_col, bh_row, key0, lo, n, edge, qk_scale,
+                    scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
+                    q_layout)),
         (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem,
-                  v_smem, ready, empty, kv_bar, bh_row, key0, lo, n, STAGES, BLOCK_M)),
+                  v_smem, ready, empty, kv_bar, q_row, q_col, do_row, do_col, kv_row + key0, kv_col, bh_row,
+                  lo, n, STAGES, BLOCK_M)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
 
 
@@ -253,47 +311,49 @@ def attn_bwd(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc,
 
 @gluon.jit
 def forward_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, q_row,
-                   kv_row, n, STAGES: gl.constexpr):  # fmt: skip
-    """The loader partition: both consumers' Q tiles once, then K_j and V_j of the key tile of step j
-    (the diagonal first, then descending) into stage j % STAGES, K and V on barriers of their own so that
-    S = QKᵀ can start before V lands. Stage reuse waits for both consumers' release on `empty`."""
+                   q_col, kv_row, kv_col, top, n, STAGES: gl.constexpr):  # fmt: skip
+    """The loader partition: both consumers' Q tiles once (from (q_row, q_col)), then K and V of key tile
+    top - j at step j (the diagonal first, then descending; the head's keys from (kv_row, kv_col)) into
+    stage j % STAGES, K and V on barriers of their own so that S = QKᵀ can start before V lands. Stage
+    reuse waits for both consumers' release on `empty`."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     for i in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * ROWS, 0], q_bar, q_smem.index(i))
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * ROWS, q_col], q_bar, q_smem.index(i))
     for j in range(n):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        row = kv_row + (n - 1 - j) * BLOCK_N
+        row = kv_row + (top - j) * BLOCK_N
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_ring.index(s))
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_ring.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_ring.index(s))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_ring.index(s))
 
 
 @gluon.jit
-def forward_step(j, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i, qk_scale, q0,
-                 STAGES: gl.constexpr, FIRST: gl.constexpr, MASK: gl.constexpr, ME: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
-    """Key tile n - 1 - j for consumer ME: S = QKᵀ issued on its turn (the other consumer's softmax runs
-    meanwhile), the online softmax update, O = O * alpha + P V. Returns O, m, l."""
+def forward_step(j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i, qk_scale, q0,
+                 window_left, STAGES: gl.constexpr, FIRST: gl.constexpr, DIAG: gl.constexpr,
+                 EDGE: gl.constexpr, ME: gl.constexpr, s_layout: gl.constexpr,
+                 o_layout: gl.constexpr):  # fmt: skip
+    """Key tile top - j for consumer ME (query rows from q0), masked as visible's DIAG and EDGE say: S =
+    QKᵀ issued on its turn (the other consumer's softmax runs meanwhile), the online softmax update, O =
+    O * alpha + P V. Returns O, m, l."""
     BM: gl.constexpr = q_s.shape[0]
     BN: gl.constexpr = k_ring.shape[1]
     s_idx = j % STAGES
-    key0 = (n - 1 - j) * BN
+    key0 = (top - j) * BN
     mbarrier.wait(k_ready.index(s_idx), (j // STAGES) & 1)
     mbarrier.wait(turn.index(ME), j & 1)  # my turn: turn[ME]'s j-th completion
     s_tok = warpgroup_mma(q_s, k_ring.index(s_idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
                           use_acc=False, is_async=True)  # fmt: skip
     mbarrier.arrive(turn.index(1 - ME))
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-    if MASK:  # the diagonal tile: keys after the query are invisible (every row sees key q0 here)
-        rows = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-        cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        qk = gl.where(gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0), s * qk_scale, float("-inf"))
-    else:
-        qk = s * qk_scale
+    # (every row sees its own key, in step 0's diagonal tile: m is finite from there on)
+    rows = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+    cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    qk = visible(s * qk_scale, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, float("-inf"),
+                 DIAG, EDGE)  # fmt: skip
     if FIRST:
         m_new = gl.max(qk, 1)
     else:
@@ -317,10 +377,13 @@ def forward_step(j, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_
 
 
 @gluon.jit
-def forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
-                     qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr, ME: gl.constexpr):  # fmt: skip
+def forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
+                     o_col, q0, top, n, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                     WINDOW: gl.constexpr, ME: gl.constexpr):  # fmt: skip
     """Consumer ME: query rows [q0 + ME * BM, + BM) of this head. Step 0 (the diagonal tile, masked
-    under causal) peeled, then the rest; L and O / l out at the end (O through Q's shared memory)."""
+    under causal) peeled, then the key tiles every row sees all of, then (a window's) those whose far
+    keys some rows do not see; L (from bh_row) and O / l (at the head's (o_row, o_col)) out at the end
+    (O through Q's shared memory)."""
     q_s = q_smem.index(ME)
     BM: gl.constexpr = q_s.shape[0]
     BN: gl.constexpr = k_ring.shape[1]
@@ -335,12 +398,22 @@ def forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, tur
     m_i = gl.full([BM], float("-inf"), gl.float32, rows_layout)
     l_i = gl.zeros([BM], gl.float32, rows_layout)
     mbarrier.wait(q_bar, 0)
-    o, m_i, l_i = forward_step(0, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
-                               qk_scale, first_row, STAGES, True, CAUSAL, ME, s_layout, o_layout)  # fmt: skip
-    for j in range(1, n):
-        o, m_i, l_i = forward_step(j, n, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
-                                   qk_scale, first_row, STAGES, False, False, ME, s_layout,
-                                   o_layout)  # fmt: skip
+    o, m_i, l_i = forward_step(0, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
+                               qk_scale, first_row, window_left, STAGES, True, CAUSAL, WINDOW, ME, s_layout,
+                               o_layout)  # fmt: skip
+    edge = n
+    if WINDOW:  # key tiles from top - edge + 1 down start before the last row's first key
+        reach = gl.maximum(first_row + BM - 1 - window_left, 0)
+        edge = gl.maximum(gl.minimum(top + 1 - (reach + BN - 1) // BN, n), 1)
+    for j in range(1, edge):
+        o, m_i, l_i = forward_step(j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
+                                   qk_scale, first_row, window_left, STAGES, False, False, False, ME,
+                                   s_layout, o_layout)  # fmt: skip
+    if WINDOW:
+        for j in range(edge, n):
+            o, m_i, l_i = forward_step(j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i,
+                                       l_i, qk_scale, first_row, window_left, STAGES, False, False, True, ME,
+                                       s_layout, o_layout)  # fmt: skip
     lse = (m_i + gl.log2(l_i)) * _LN2
     gl.store(L + bh_row + first_row + gl.arange(0, BM, layout=rows_layout), lse)
     o = o * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
@@ -348,32 +421,39 @@ def forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, tur
     q_s.store(o.to(q_s.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [bh_row + first_row, 0], q_s)
+    tma.async_copy_shared_to_global(o_desc, [o_row + first_row, o_col], q_s)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def forward_consumer0(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
-                      qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
-                     qk_scale, STAGES, CAUSAL, 0)  # fmt: skip
+def forward_consumer0(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
+                      o_col, q0, top, n, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr):  # fmt: skip
+    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
+                     o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW, 0)  # fmt: skip
 
 
 @gluon.jit
-def forward_consumer1(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
-                      qk_scale, STAGES: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, q0, n,
-                     qk_scale, STAGES, CAUSAL, 1)  # fmt: skip
+def forward_consumer1(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
+                      o_col, q0, top, n, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr):  # fmt: skip
+    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
+                     o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW, 1)  # fmt: skip
 
 
 @gluon.jit
-def attn_fwd(q_desc, k_desc, v_desc, o_desc, L, T, ZH, qk_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-             CONSUMER_REGS: gl.constexpr):  # fmt: skip
+def attn_fwd(
+    q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, kv_zr, kv_hr, kv_hc, o_zr, o_hr, o_hc, T, H, group,
+    ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
     """O and L (natural log, float32 (Z*H*T,)) of 2 * BM query rows of one (z, h), BM = q_desc's rows,
     with FA3's ping-pong: two 4-warp consumer partitions of BM rows each take turns issuing their S = QKᵀ
     (mbarriers `turn`), so one's softmax overlaps the other's products; a loader partition (the default
     one, left with few registers) streams K and V. Key tiles of BLOCK_N = 2 * BM, the diagonal one first.
-    Grid: (T / (2 * BM) * Z * H,), tile-major, the longest causal query tiles first."""
+    Grid: (T / (2 * BM) * Z * H,), tile-major, the longest causal query tiles first. Heads start at
+    head_start's rows and columns (as attn_bwd's); query head h reads K and V head h // group. WINDOW
+    (with CAUSAL): a query also sees no key more than window_left before it."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == 2 * BM, "the diagonal key tile covers both consumers' rows")
@@ -383,10 +463,19 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, L, T, ZH, qk_scale, CAUSAL: gl.cons
     bh = pid % ZH
     if CAUSAL:
         tile = num_tiles - 1 - tile
-        n = tile + 1
+        top = tile
     else:
-        n = num_tiles
+        top = num_tiles - 1
     q0 = tile * BLOCK_N
+    bottom = 0
+    if WINDOW:  # the key tile of the first row's first key
+        bottom = gl.maximum(q0 - window_left, 0) // BLOCK_N
+    n = top - bottom + 1
+    z = bh // H
+    h = bh % H
+    q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
+    kv_row, kv_col = head_start(z, h // group, kv_zr, kv_hr, kv_hc)
+    o_row, o_col = head_start(z, h, o_zr, o_hr, o_hc)
     bh_row = bh * T
 
     dtype: gl.constexpr = q_desc.dtype
@@ -412,9 +501,9 @@ def attn_fwd(q_desc, k_desc, v_desc, o_desc, L, T, ZH, qk_scale, CAUSAL: gl.cons
     # consumer as the default partition would ask for 256 and oversubscribe the register file).
     gl.warp_specialize([
         (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty,
-                          bh_row + q0, bh_row, n, STAGES)),
+                          q_row + q0, q_col, kv_row, kv_col, top, n, STAGES)),
         (forward_consumer0, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
-                             q0, n, qk_scale, STAGES, CAUSAL)),
+                             o_row, o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW)),
         (forward_consumer1, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
-                             q0, n, qk_scale, STAGES, CAUSAL)),
+                             o_row, o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip

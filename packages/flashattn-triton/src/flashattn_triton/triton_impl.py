@@ -119,7 +119,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
         # (small problems never run the Gluon kernels: their first call need not import Gluon)
         hopper = (varlen is None and not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim)
-                  and _hopper.supports(pass_name, q, tensors, head_dim))  # fmt: skip
+                  and _hopper.supports(pass_name, q, tensors, head_dim, band))  # fmt: skip
         problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                           _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
                           deterministic, band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
@@ -128,8 +128,9 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
             raise ValueError(
                 f"config {config}: the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a "
-                "multiple of 128, as many K/V heads as query heads, contiguous inputs, no window, on sm_90 "
-                "with Gluon, above the small-problem size, without dropout; "
+                "multiple of 128, K/V heads dividing the query heads, inputs in (B, H, T, d) or (B, T, H, d) "
+                "memory, no window but a causal one, on sm_90 with Gluon, above the small-problem size, "
+                "without dropout; "
                 f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
                 + ("" if band is None else f" with window {band}")
                 + f" with dropout_p={dropout_p}" * (dropout_p > 0.0)
@@ -239,6 +240,11 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return out, lse
 
 
+def _hopper_window(mask_args: dict[str, Any]) -> int | None:
+    """The Gluon kernels' window: the left side of the band (its right is 0: _hopper.supports)."""
+    return mask_args["window_left"] if mask_args["BAND"] else None
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
              config: ForwardConfig | None, grouped: bool, band: Band | None = None, dropout_p: float = 0.0,
              rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, _Plan]:  # fmt: skip
@@ -278,7 +284,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     def args(c: ForwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         if c.hopper:  # (_hopper.supports: contiguous inputs, T a multiple of 128)
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
-                                        is_causal, scale)  # fmt: skip
+                                        is_causal, scale, _hopper_window(mask_args))  # fmt: skip
         split = c.kv_splits > 1
         partials = None
         if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), for the combine
@@ -375,7 +381,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                                                                       dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
             return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
-                                         c.block_n, c.num_stages, is_causal, scale)  # fmt: skip
+                                         c.block_n, c.num_stages, is_causal, scale,
+                                         _hopper_window(mask_args))  # fmt: skip
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
         return phase_args(c, "both")
