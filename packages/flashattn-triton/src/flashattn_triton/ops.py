@@ -135,6 +135,14 @@ def _window(options: dict[str, Any]) -> tuple[int, int] | None:
     return (left, right) if left != UNBOUNDED or right > 0 else None
 
 
+def _packed(options: dict[str, Any]) -> triton_impl.Packed | None:
+    """The tuned kernels' packed sequences of a "varlen" problem (None for a "tuned" one)."""
+    if options["cu_seqlens_q"] is None:
+        return None
+    return triton_impl.Packed(options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
+                              options["max_seqlen_k"])  # fmt: skip
+
+
 def _check_triton_inputs(q: Tensor) -> None:
     _inputs.check_device(q)
     _inputs.check_head_dim(q)
@@ -154,13 +162,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
         return _inputs.in_output_layout(out, q), lse
-    if path == "tuned":
+    if path in ("tuned", "varlen"):
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
-                                          dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
-    if path == "varlen":
-        return triton_impl.triton_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, window_right == 0, scale, dropout_p=dropout_p,
-                                                 rng_state=rng_state)  # fmt: skip
+                                          dropout_p=dropout_p, rng_state=rng_state,
+                                          packed=_packed(options))  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -180,16 +185,12 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     if path == "torch":
         grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
         return tuple(_inputs.in_output_layout(g, t) for g, t in zip(grads, (q, k, v), strict=True))
-    if path == "tuned":
+    if path in ("tuned", "varlen"):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),
-                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
-    if path == "varlen":
-        return triton_impl.triton_varlen_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k,
-                                                  max_seqlen_q, max_seqlen_k, window_right == 0, scale,
-                                                  grad_lse=grad_lse, deterministic=deterministic,
-                                                  dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+                                           dropout_p=dropout_p, rng_state=rng_state,
+                                           packed=_packed(options))  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
