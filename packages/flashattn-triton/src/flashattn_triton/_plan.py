@@ -50,6 +50,17 @@ class Plan:
     # whether the backward is deterministic.
     backward_plans: dict = dataclasses.field(default_factory=dict)
 
+    def backward_plan(self, grad_out: torch.Tensor, deterministic: bool, make: Callable[[], Plan]) -> Plan:
+        """The plan of this forward's backward, from backward_plans (made by make() the first time): the
+        forward's key already holds q, k and v (and the band, dropout_p and packed sequences), and out and
+        lse follow from it (a small problem's host time notices the lookup of five layouts)."""
+        key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _inputs.input_precision(grad_out.dtype),
+               deterministic)  # fmt: skip
+        plan = self.backward_plans.get(key)
+        if plan is None:
+            plan = self.backward_plans[key] = make()
+        return plan
+
     def sizes(self, q: torch.Tensor) -> tuple[int, int, int, int]:
         """(batch, heads, seqlen_q, seqlen_k) of a call whose query's view is q ((Z, H, T, d), or packed
         (total, H, d), whose seqlens are the max_seqlens)."""

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, _launcher, feature_impl, torch_impl, triton_impl
+from flashattn_triton import _inputs, _launcher, _packed, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -110,7 +110,7 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
     row's dropout counters are its query head's, as in the PyTorch path); "varlen" (the tuned kernels'
     packed sequences) for packed sequences, plain or causal, grouped-query or not, with or without
-    dropout, where triton_impl.supports_varlen; "features" (feature_impl) for every other problem (a
+    dropout, where _packed.supported; "features" (feature_impl) for every other problem (a
     mask, packed sequences with a window or float32 at full accuracy, a bottom-right band)."""
     if not uses_triton(q.device):
         return "torch"
@@ -121,7 +121,7 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     plain_or_causal = options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal)
     if options["cu_seqlens_q"] is not None:
         window = None if plain_or_causal else (options["window_left"], window_right)
-        return "varlen" if triton_impl.supports_varlen(q, window) else "features"
+        return "varlen" if _packed.supported(q, window) else "features"
     if plain_or_causal:
         return "tuned"
     band = offset == 0 and q.shape[2] == k.shape[2]
@@ -135,11 +135,11 @@ def _window(options: dict[str, Any]) -> tuple[int, int] | None:
     return (left, right) if left != UNBOUNDED or right > 0 else None
 
 
-def _packed(options: dict[str, Any]) -> triton_impl.Packed | None:
+def _packed_sequences(options: dict[str, Any]) -> _packed.Packed | None:
     """The tuned kernels' packed sequences of a "varlen" problem (None for a "tuned" one)."""
     if options["cu_seqlens_q"] is None:
         return None
-    return triton_impl.Packed(options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
+    return _packed.Packed(options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
                               options["max_seqlen_k"])  # fmt: skip
 
 
@@ -165,7 +165,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path in ("tuned", "varlen"):
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state,
-                                          packed=_packed(options))  # fmt: skip
+                                          packed=_packed_sequences(options))  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -190,7 +190,7 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),
                                            dropout_p=dropout_p, rng_state=rng_state,
-                                           packed=_packed(options))  # fmt: skip
+                                           packed=_packed_sequences(options))  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 

@@ -7,13 +7,13 @@ interpreter runs them on CPU tensors instead (slowly: for testing).
 A call's plan (_plan.Plan, made on the first call with its layout) holds the candidate configs
 (_planning), the one chosen (_tuning) and its launchers (_launcher); later calls with the same layout
 only build the kernels' arguments, by name, and launch. One forward and one backward serve both
-layouts: (..., T, d) tensors, and packed sequences (Packed).
+layouts: (..., T, d) tensors, and packed sequences (_packed.Packed).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -24,6 +24,7 @@ from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch
 from flashattn_triton._dropout import check_rng, kept_scale, threshold
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
+from flashattn_triton._packed import Packed, plan_parts
 from flashattn_triton._plan import Plan
 from flashattn_triton._planning import (
     Band,
@@ -37,35 +38,6 @@ from flashattn_triton._planning import (
 from flashattn_triton._validation import check_inputs, check_scale
 
 COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
-
-
-class Packed(NamedTuple):
-    """Packed sequences (flash-attn's varlen layout): q (total_q, Hq, d), k and v (total_k, Hkv, d) with
-    Hkv dividing Hq, sequence b the rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, checked by the caller:
-    _validation.varlen_op_arguments), max_seqlen_q/_k at least its longest. Only where supports_varlen."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-
-
-def supports_varlen(q: torch.Tensor, window: tuple[int, int] | None) -> bool:
-    """Whether the tuned kernels take packed sequences of q's dtype: without a window, and not float32 at
-    full accuracy (tf32x3's parts are laid out by batch; the feature kernels take those)."""
-    return window is None and _inputs.input_precision(q.dtype) != "tf32x3"
-
-
-def _packed(packed: Packed | None) -> tuple[tuple[torch.Tensor, ...], tuple[int, int, int] | None, dict]:
-    """What packed sequences add to a plan's tensors (cu_seqlens, contiguous: the kernels index them by
-    sequence), to its key ((batch, max_seqlen_q, max_seqlen_k), _plan's varlen) and to the kernels'
-    arguments."""
-    if packed is None:
-        return (), None, {"CuSeqlensQ": None, "CuSeqlensK": None, "VARLEN": False}
-    cu_seqlens_q, cu_seqlens_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
-    varlen = (cu_seqlens_q.numel() - 1, packed.max_seqlen_q, packed.max_seqlen_k)
-    return (cu_seqlens_q, cu_seqlens_k), varlen, {"CuSeqlensQ": cu_seqlens_q, "CuSeqlensK": cu_seqlens_k,
-                                                  "VARLEN": True}  # fmt: skip
 
 
 @functools.cache
@@ -145,27 +117,6 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
     return plan
 
 
-def _backward_plan(forward_plan: Plan | None, tensors: tuple[torch.Tensor, ...], is_causal: bool,
-                   scale: float, config: BackwardConfig | None, deterministic: bool, grad_lse: bool,
-                   band: Band | None, dropout_p: float,
-                   varlen: tuple[int, int, int] | None) -> Plan:  # fmt: skip
-    """_plan of the backward, looked up through the forward's plan where there is one: the forward's
-    key already holds q, k and v (and the band, dropout_p and varlen), and out and lse follow from it (a
-    small problem's host time notices the lookup of five layouts). tensors: q, k, v, out, grad_out (and
-    the cu_seqlens)."""
-    q, grad_out = tensors[0], tensors[4]
-    if forward_plan is None or config is not None or grad_lse:
-        return _plan("bwd", q, tensors, is_causal, scale, config, deterministic, grad_lse, band, dropout_p,
-                     varlen=varlen)  # fmt: skip
-    key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _inputs.input_precision(q.dtype), deterministic)
-    plan = forward_plan.backward_plans.get(key)
-    if plan is None:
-        plan = _plan("bwd", q, tensors, is_causal, scale, None, deterministic, band=band, dropout_p=dropout_p,
-                     varlen=varlen)  # fmt: skip
-        forward_plan.backward_plans[key] = plan
-    return plan
-
-
 def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                    config: ForwardConfig | None = None, *, window: tuple[int, int] | None = None,
                    dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
@@ -192,7 +143,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     """triton_forward's (O, L) and the plan that made them (its scale is the one used); grouped: k and v
     may have fewer heads than q."""
     check_rng(dropout_p, rng_state)
-    cu_seqlens, varlen, packed_args = _packed(packed)
+    cu_seqlens, varlen, packed_args = plan_parts(packed)
     # (_plan checks a layout's first inputs)
     plan = _plan("fwd", q, (q, k, v, *cu_seqlens), is_causal, scale, config, band=band, dropout_p=dropout_p,
                  grouped=grouped, varlen=varlen)  # fmt: skip
@@ -279,9 +230,11 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     band = band_of(window, is_causal)
     if k.numel() == 0 or q.numel() == 0:  # no query sees any key: zero gradients
         return tuple(_inputs.output_like(t).zero_() for t in (q, k, v))
-    cu_seqlens, varlen, packed_args = _packed(packed)
-    plan = _backward_plan(forward_plan, (q, k, v, out, grad_out, *cu_seqlens), is_causal, scale, config,
-                          deterministic, grad_lse is not None, band, dropout_p, varlen)  # fmt: skip
+    cu_seqlens, varlen, packed_args = plan_parts(packed)
+    make_plan = functools.partial(_plan, "bwd", q, (q, k, v, out, grad_out, *cu_seqlens), is_causal, scale,
+                                  config, deterministic, grad_lse is not None, band, dropout_p, varlen=varlen)
+    kept = forward_plan is not None and config is None and grad_lse is None  # (by the forward's plan)
+    plan = forward_plan.backward_plan(grad_out, deterministic, make_plan) if kept else make_plan()
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
     precision, delta_from_o = plan.problem.precision, plan.delta_from_o
     q4, k4, v4, o4, do4 = plan.views((q, k, v, out, grad_out))
@@ -296,8 +249,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     dq4, dk4, dv4 = plan.outputs(grads)
     if group > 1:  # dK and dV of each query head until summed over the groups into dk4 and dv4
         sums = dk4, dv4
-        dk4, dv4 = (torch.empty((t.shape[0], heads, *t.shape[2:]), dtype=t.dtype, device=t.device)
-                    for t in sums)  # fmt: skip
+        dk4, dv4 = (t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in sums)
     # L, D and dQ's float32 sum of the atomic variant by rows (runs, H, rows, ...): a run each batch element,
     # or every packed sequence in one run (its O and dO rows `row` apart). The sum is zeroed before each run
     # (by the preprocess where there is one), padded to whole tiles of up to 128 rows so that its updates
@@ -381,19 +333,13 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         used = plan.run(launcher, args, q.device, preprocess if delta is not None else None)
     if used.atomic_dq:
         dq_rows.copy_(dq_acc[:, :, :rows, :head_dim])
-    if group > 1:
-        dk4, dv4 = (_group_sums(g, group, s) for g, s in zip((dk4, dv4), sums, strict=True))
+    if group > 1:  # each group's sum (torch sums 16-bit values in float32 and rounds once)
+        for per_head, out_sum in zip((dk4, dv4), sums, strict=True):
+            torch.sum(per_head.unflatten(1, (-1, group)), 2, out=out_sum)
+        dk4, dv4 = sums
     if plan.as_is:
         return grads
     return tuple(_inputs.copy_back(g, g4) for g, g4 in zip(grads, (dq4, dk4, dv4), strict=True))
-
-
-def _group_sums(grad: torch.Tensor, group: int, out: torch.Tensor) -> torch.Tensor:
-    """dK or dV per query head, (Z, H, T, d) (or packed, (total, H, d)), summed over each group of `group`
-    heads into out, (Z, H / group, T, d) (or (total, H / group, d)) of any strides (torch accumulates
-    16-bit sums in float32 and rounds once)."""
-    batch, heads, *rest = grad.shape
-    return torch.sum(grad.view(batch, heads // group, group, *rest), 2, out=out)
 
 
 class FlashAttentionTriton(AttentionFunction):
