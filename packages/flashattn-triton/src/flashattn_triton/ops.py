@@ -6,7 +6,7 @@ and ``register_autograd`` ties the two together. On CUDA (and on CPU under ``TRI
 run the Triton kernels, elsewhere the PyTorch path (torch_impl).
 
 They are opaque custom ops rather than ``torch.library.triton_op``s: the kernels are launched through a
-plan chosen and tuned at run time (``_run``), the Hopper kernels are Gluon, and the launcher calls
+plan chosen and tuned at run time (``_plan.Plan.run``), the Hopper kernels are Gluon, and the launcher calls
 Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)`` call
 that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
 

@@ -59,8 +59,8 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
     arguments that the JIT specializes (by their size), which a plan's direct launches must keep.
     grouped: whether k and v may have fewer heads than q (checked with the inputs, so in the key:
     FlashAttentionTriton's calls refuse what triton_forward's accept). varlen: packed sequences' (batch,
-    max_seqlen_q, max_seqlen_k), q (total_q, Hq, d) and k (total_k, Hkv, d), checked by the caller
-    (_validation.varlen_op_arguments); tensors then end with cu_seqlens_q and cu_seqlens_k."""
+    max_seqlen_q, max_seqlen_k) (_packed.plan_parts), q (total_q, Hq, d) and k (total_k, Hkv, d), checked
+    by the caller (_validation.varlen_op_arguments); tensors then end with cu_seqlens_q and cu_seqlens_k."""
     try:
         precision = _inputs.input_precision(q.dtype)
         layouts = ((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
@@ -233,7 +233,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     cu_seqlens, varlen, packed_args = plan_parts(packed)
     make_plan = functools.partial(_plan, "bwd", q, (q, k, v, out, grad_out, *cu_seqlens), is_causal, scale,
                                   config, deterministic, grad_lse is not None, band, dropout_p, varlen=varlen)
-    kept = forward_plan is not None and config is None and grad_lse is None  # (by the forward's plan)
+    kept = forward_plan is not None and config is None and grad_lse is None  # (Plan.backward_plan)
     plan = forward_plan.backward_plan(grad_out, deterministic, make_plan) if kept else make_plan()
     host, head_dim, block_d = plan.host, plan.problem.head_dim, plan.problem.block_d
     precision, delta_from_o = plan.problem.precision, plan.delta_from_o
@@ -250,19 +250,19 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if group > 1:  # dK and dV of each query head until summed over the groups into dk4 and dv4
         sums = dk4, dv4
         dk4, dv4 = (t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in sums)
-    # L, D and dQ's float32 sum of the atomic variant by rows (runs, H, rows, ...): a run each batch element,
-    # or every packed sequence in one run (its O and dO rows `row` apart). The sum is zeroed before each run
-    # (by the preprocess where there is one), padded to whole tiles of up to 128 rows so that its updates
-    # need no masks (packed: a tile past a sequence's end adds zeros up to 128 rows further).
+    # L, D and the atomic variant's float32 dQ sum by rows, (runs, H, rows, ...): a run for each batch
+    # element, or one for all packed sequences (O and dO as (1, H, total_q, d)). The sum is zeroed before
+    # each run (by the preprocess where there is one), padded to whole tiles of up to 128 rows so that its
+    # updates need no masks (packed: a tile past a sequence's end adds zeros up to 128 rows further).
     if packed is None:
-        runs, rows, dq_acc_rows, dq_rows = batch, seqlen_q, -(-seqlen_q // 128) * 128, dq4
+        runs, rows, padding, dq_rows = batch, seqlen_q, 0, dq4
         o_strides, do_strides = o4.stride()[:3], do4.stride()[:3]
     else:
-        runs, rows, row = 1, q4.shape[0], heads * head_dim
-        dq_acc_rows, dq_rows = -(-rows // 128) * 128 + 128, dq4.transpose(0, 1)[None]
-        o_strides = do_strides = (0, head_dim, row)
-        lse = lse.t().contiguous()  # (H, total_q): each head's rows in a run, as the kernels read L and D
+        runs, rows, padding, dq_rows = 1, q4.shape[0], 128, dq4.transpose(0, 1)[None]
+        o_strides = do_strides = (0, head_dim, heads * head_dim)
+        lse = lse.t().contiguous()  # (H, total_q)
         grad_lse = None if grad_lse is None else grad_lse.t()
+    dq_acc_rows = -(-rows // 128) * 128 + padding
     delta = None if delta_from_o else torch.empty_like(lse)
     q_in, do_in, k_in, v_in = plan.inputs(q4, do4, k4, v4)
     dq_acc = None
