@@ -1,7 +1,7 @@
-"""Packed sequences (varlen) on the tuned kernels (triton_impl.triton_varlen_forward/backward, attn_fwd and
-attn_bwd under VARLEN) under Triton's CPU interpreter, float32 with TF32 products allowed (full accuracy
-goes to the feature kernels), against the PyTorch path on the same data: O, L and every gradient (with a
-gradient of L), for each backward variant.
+"""Packed sequences (varlen) on the tuned kernels (triton_impl.triton_forward/backward with `packed`,
+attn_fwd and attn_bwd under VARLEN) under Triton's CPU interpreter, float32 with TF32 products allowed
+(full accuracy goes to the feature kernels), against the PyTorch path on the same data: O, L and every
+gradient (with a gradient of L), for each backward variant.
 
 Not collected on its own (TRITON_INTERPRET must be set before the kernels are first imported):
 test_varlen_interpreter.py runs this file in a pytest subprocess with TRITON_INTERPRET=1.
@@ -67,14 +67,13 @@ def torch_path(args, grad_out, grad_lse) -> dict:
 
 
 def tuned_path(args, grad_out, grad_lse, forward=None, backward=None, deterministic=False) -> dict:
-    varlen = (args.cu_seqlens_q, args.cu_seqlens_k, args.max_seqlen_q, args.max_seqlen_k)
+    packed = triton_impl.Packed(args.cu_seqlens_q, args.cu_seqlens_k, args.max_seqlen_q, args.max_seqlen_k)
     causal = args.window_right == 0
-    dropout = {"dropout_p": args.dropout_p, "rng_state": args.rng_state}
-    out, lse = triton_impl.triton_varlen_forward(args.q, args.k, args.v, *varlen, causal, args.scale, forward,
-                                                 **dropout)  # fmt: skip
-    grads = triton_impl.triton_varlen_backward(args.q, args.k, args.v, out, lse, grad_out, *varlen, causal,
-                                               args.scale, backward, grad_lse=grad_lse,
-                                               deterministic=deterministic, **dropout)  # fmt: skip
+    options = {"dropout_p": args.dropout_p, "rng_state": args.rng_state, "packed": packed}
+    out, lse = triton_impl.triton_forward(args.q, args.k, args.v, causal, args.scale, forward, **options)
+    grads = triton_impl.triton_backward(args.q, args.k, args.v, out, lse, grad_out, causal, args.scale,
+                                        backward, grad_lse=grad_lse, deterministic=deterministic,
+                                        **options)  # fmt: skip
     return dict(zip(NAMES, (out, lse, *grads), strict=True))
 
 

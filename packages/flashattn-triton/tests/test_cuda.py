@@ -16,6 +16,7 @@ from flashattn_triton import (
     _hopper,
     _inputs,
     _launcher,
+    _plan,
     _planning,
     flash_attention,
     ops,
@@ -164,7 +165,7 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
 
 def test_config_too_big_for_shared_memory_steps_down(problem, monkeypatch):
     steps = []
-    monkeypatch.setattr(triton_impl, "smaller", lambda c: steps.append(c) or _configs.smaller(c))
+    monkeypatch.setattr(_plan, "smaller", lambda c: steps.append(c) or _configs.smaller(c))
     p = problem((1, 2), 512, 512, 128, torch.bfloat16, True, device="cuda")
     huge = ForwardConfig(256, 256, 8, 4)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 128**-0.5, config=huge)

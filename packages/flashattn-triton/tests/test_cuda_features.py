@@ -604,13 +604,12 @@ def packed_problem(dtype, lengths_q, lengths_k, q_heads=8, kv_heads=2, head_dim=
 
 
 def tuned_varlen(args: OpArguments, grad_out: torch.Tensor, backward=None, deterministic=False) -> dict:
-    varlen = (args.cu_seqlens_q, args.cu_seqlens_k, args.max_seqlen_q, args.max_seqlen_k)
-    causal, dropout = args.window_right == 0, {"dropout_p": args.dropout_p, "rng_state": args.rng_state}
-    out, lse = triton_impl.triton_varlen_forward(args.q, args.k, args.v, *varlen, causal, args.scale,
-                                                 **dropout)  # fmt: skip
-    grads = triton_impl.triton_varlen_backward(args.q, args.k, args.v, out, lse, grad_out, *varlen, causal,
-                                               args.scale, backward, deterministic=deterministic,
-                                               **dropout)  # fmt: skip
+    packed = triton_impl.Packed(args.cu_seqlens_q, args.cu_seqlens_k, args.max_seqlen_q, args.max_seqlen_k)
+    causal, options = args.window_right == 0, {"dropout_p": args.dropout_p, "rng_state": args.rng_state,
+                                               "packed": packed}  # fmt: skip
+    out, lse = triton_impl.triton_forward(args.q, args.k, args.v, causal, args.scale, **options)
+    grads = triton_impl.triton_backward(args.q, args.k, args.v, out, lse, grad_out, causal, args.scale,
+                                        backward, deterministic=deterministic, **options)  # fmt: skip
     return dict(zip(NAMES, (out, lse, *grads), strict=True))
 
 

@@ -10,7 +10,7 @@ import torch
 
 class Tiles(NamedTuple):
     """A descriptor moving `block` tiles of `tensor`, which build(tensor, block) makes: on a launch through
-    Triton's JIT, or, launched directly, once per address (triton_impl._LaunchArgs)."""
+    Triton's JIT, or, launched directly, once per address (_launcher.LaunchArgs)."""
 
     tensor: torch.Tensor
     block: tuple[int, ...]

@@ -6,7 +6,7 @@ and ``register_autograd`` ties the two together. On CUDA (and on CPU under ``TRI
 run the Triton kernels, elsewhere the PyTorch path (torch_impl).
 
 They are opaque custom ops rather than ``torch.library.triton_op``s: the kernels are launched through a
-plan chosen and tuned at run time (``_run``), the Hopper kernels are Gluon, and the launcher calls
+plan chosen and tuned at run time (``_plan.Plan.run``), the Hopper kernels are Gluon, and the launcher calls
 Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)`` call
 that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
 
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, _launcher, feature_impl, torch_impl, triton_impl
+from flashattn_triton import _inputs, _launcher, _packed, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -110,7 +110,7 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
     row's dropout counters are its query head's, as in the PyTorch path); "varlen" (the tuned kernels'
     packed sequences) for packed sequences, plain or causal, grouped-query or not, with or without
-    dropout, where triton_impl.supports_varlen; "features" (feature_impl) for every other problem (a
+    dropout, where _packed.supported; "features" (feature_impl) for every other problem (a
     mask, packed sequences with a window or float32 at full accuracy, a bottom-right band)."""
     if not uses_triton(q.device):
         return "torch"
@@ -121,7 +121,7 @@ def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
     plain_or_causal = options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal)
     if options["cu_seqlens_q"] is not None:
         window = None if plain_or_causal else (options["window_left"], window_right)
-        return "varlen" if triton_impl.supports_varlen(q, window) else "features"
+        return "varlen" if _packed.supported(q, window) else "features"
     if plain_or_causal:
         return "tuned"
     band = offset == 0 and q.shape[2] == k.shape[2]
@@ -133,6 +133,14 @@ def _window(options: dict[str, Any]) -> tuple[int, int] | None:
     None where the problem is plain or causal (window_right = 0 is the causal flag they get)."""
     left, right = options["window_left"], options["window_right"]
     return (left, right) if left != UNBOUNDED or right > 0 else None
+
+
+def _packed_sequences(options: dict[str, Any]) -> _packed.Packed | None:
+    """The tuned kernels' packed sequences of a "varlen" problem (None for a "tuned" one)."""
+    if options["cu_seqlens_q"] is None:
+        return None
+    return _packed.Packed(options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
+                              options["max_seqlen_k"])  # fmt: skip
 
 
 def _check_triton_inputs(q: Tensor) -> None:
@@ -154,13 +162,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
         return _inputs.in_output_layout(out, q), lse
-    if path == "tuned":
+    if path in ("tuned", "varlen"):
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
-                                          dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
-    if path == "varlen":
-        return triton_impl.triton_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                 max_seqlen_k, window_right == 0, scale, dropout_p=dropout_p,
-                                                 rng_state=rng_state)  # fmt: skip
+                                          dropout_p=dropout_p, rng_state=rng_state,
+                                          packed=_packed_sequences(options))  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_forward(q, k, v, **options)
 
@@ -180,16 +185,12 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     if path == "torch":
         grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
         return tuple(_inputs.in_output_layout(g, t) for g, t in zip(grads, (q, k, v), strict=True))
-    if path == "tuned":
+    if path in ("tuned", "varlen"):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),
-                                           dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
-    if path == "varlen":
-        return triton_impl.triton_varlen_backward(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k,
-                                                  max_seqlen_q, max_seqlen_k, window_right == 0, scale,
-                                                  grad_lse=grad_lse, deterministic=deterministic,
-                                                  dropout_p=dropout_p, rng_state=rng_state)  # fmt: skip
+                                           dropout_p=dropout_p, rng_state=rng_state,
+                                           packed=_packed_sequences(options))  # fmt: skip
     _check_triton_inputs(q)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 

@@ -1,0 +1,133 @@
+"""A plan: how one problem layout runs, worked out on its first call and reused by every later call with the
+same layout (triton_impl._plan makes them and keeps them by layout).
+
+It holds the problem and its candidate configs (_planning), the config chosen (_tuning) and its launchers
+(_launcher), and makes the tensors of a call what its kernels read: views (dense (Z, H, T, d), or packed
+sequences' (total, H, d)) and, under tf32x3, float32's TF32 parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from flashattn_triton import _inputs, _launcher
+from flashattn_triton._configs import BackwardConfig, ForwardConfig, smaller
+from flashattn_triton._launcher import Launcher, LaunchPair
+from flashattn_triton._planning import Problem
+from flashattn_triton._tuning import TUNING
+
+Config = TypeVar("Config", ForwardConfig, BackwardConfig)
+
+
+@dataclasses.dataclass
+class Plan:
+    """How one problem layout runs: the descriptor mode, the problem and its candidate configs, the config
+    chosen and its launchers. A forward's plan is made only for inputs that pass check_inputs; its key
+    holds everything those checks read, so the checks are not repeated."""
+
+    scale: float  # the softmax scale, checked (and defaulted) when the forward's plan was made
+    # The host builds the descriptors of inputs and outputs (_inputs.host_descriptors); never for packed
+    # sequences, whose kernels describe each sequence's rows (a host-built descriptor would span them all).
+    host: bool
+    tma_dq: bool  # the atomic dQ's float32 sum is reduced in TMA tiles (Hopper), else with element atomics
+    as_is: bool  # every tensor is already what _inputs.kernel_view makes of it
+    problem: Problem
+    candidates: list
+    config: Any = None
+    launch: Launcher | LaunchPair | None = None
+    preprocess: dict[bool, Launcher] = dataclasses.field(default_factory=dict)  # by whether it zeroes dQ
+    splits: dict[tuple[int, bool], _inputs.TF32Split] = dataclasses.field(default_factory=dict)
+    delta_from_o: bool = False  # the backward computes D = rowsum(dO * O) in its kernel
+    # The kernels' mask and dropout arguments that the key fixes (CAUSAL, the band's, dropout's threshold
+    # and scale): made once, not on every call; a call adds its Rng.
+    mask_args: dict = dataclasses.field(default_factory=dict)
+    # A forward's plans of the backward, by what their keys add to the forward's: the incoming gradient's
+    # strides and alignment (autograd gives it the output's shape, dtype and device), the precision and
+    # whether the backward is deterministic.
+    backward_plans: dict = dataclasses.field(default_factory=dict)
+
+    def backward_plan(self, grad_out: torch.Tensor, deterministic: bool, make: Callable[[], Plan]) -> Plan:
+        """The plan of this forward's backward, from backward_plans (made by make() the first time): the
+        forward's key already holds q, k and v (and the band, dropout_p and packed sequences), and out and
+        lse follow from it (a small problem's host time notices the lookup of five layouts)."""
+        key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _inputs.input_precision(grad_out.dtype),
+               deterministic)  # fmt: skip
+        plan = self.backward_plans.get(key)
+        if plan is None:
+            plan = self.backward_plans[key] = make()
+        return plan
+
+    def sizes(self, q: torch.Tensor) -> tuple[int, int, int, int]:
+        """(batch, heads, seqlen_q, seqlen_k) of a call whose query's view is q ((Z, H, T, d), or packed
+        (total, H, d), whose seqlens are the max_seqlens)."""
+        heads = q.shape[1]
+        return self.problem.batch_heads // heads, heads, self.problem.seqlen_q, self.problem.seqlen_k
+
+    def views(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The tensors as the kernels address them (_inputs.kernel_view): as they are where the plan says
+        they already are; packed sequences as (total, H, d), contiguous."""
+        if self.as_is:
+            return tensors
+        views = tuple(_inputs.kernel_view(t, self.problem.head_dim, self.host) for t in tensors)
+        return tuple(x[0] for x in views) if self.problem.varlen else views  # (of (1, total, H, d))
+
+    def outputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """What the kernels write each of tensors (output_like's) through (_inputs.kernel_output)."""
+        if self.as_is:
+            return tensors
+        outputs = tuple(_inputs.kernel_output(t, self.problem.head_dim, self.host) for t in tensors)
+        return tuple(x[0] for x in outputs) if self.problem.varlen else outputs
+
+    def inputs(self, *views: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
+        """The views as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
+        pass: saving the forward's for the backward would hold twice the inputs in between). Their
+        TF32Splits are the plan's, one for each place of a pass's inputs: the plan's key fixes their
+        layouts."""
+        if self.problem.precision != "tf32x3":
+            return views
+        parts = []
+        with _launcher.device_guard(views[0]):
+            for place, x4 in enumerate(views):
+                split = self.splits.get((place, transposed))
+                if split is None:
+                    split = self.splits[place, transposed] = _inputs.TF32Split(x4, transposed)
+                parts.append(split(x4))
+        return tuple(parts)
+
+    def run(self, launcher: Callable[[Config], Launcher | LaunchPair], args: Callable[[Config], Any],
+            device: torch.device, prologue: Callable[[], None] | None = None) -> Config:  # fmt: skip
+        """Launch the plan's kernel with args(config), after prologue() (a launch it depends on, which may
+        also clear what args made) once its arguments are built: the two then reach the GPU back to back,
+        not a host's argument building apart (a large backward's descriptors took longer than its D
+        preprocess ran). On the plan's first run the config is chosen (the plan's own, else the tuned
+        choice among its candidates) and its launcher made; a config that does not fit this GPU's shared
+        memory steps down through smaller(). Returns the config that ran."""
+        if self.launch is None:
+            if prologue is not None:  # the tuner's runs read what it makes (and run again before the launch)
+                prologue()
+            # One launcher per candidate, so that the timed calls after the first launch directly, as every
+            # later call of the plan will: small problems would otherwise time the JIT's host work.
+            launchers: dict[Config, Launcher | LaunchPair] = {}
+
+            def run(c: Config) -> None:
+                launchers.setdefault(c, launcher(c))(args(c))
+
+            if self.config is None:
+                self.config = TUNING.choose(run, self.candidates, self.problem, device)
+            self.launch = launchers.get(self.config) or launcher(self.config)
+        while True:
+            try:
+                kernel_args = args(self.config)
+                if prologue is not None:
+                    prologue()
+                self.launch(kernel_args)
+                return self.config
+            except _launcher.out_of_resources():
+                self.config = smaller(self.config)
+                if self.config is None:
+                    raise
+                self.launch = launcher(self.config)
