@@ -420,9 +420,12 @@ def test_bands_route_to_the_tuned_kernels_only_where_they_apply(monkeypatch):
 
 def in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(B, H, T, d) q, k, v as a model hands them over: 'bhtd' contiguous; 'bthd' views of (B, T, H, d)
-    memory (proj(x).view(B, T, H, d).transpose(1, 2)); 'fused' views of one (B, T, 3, H, d) projection."""
+    memory (proj(x).view(B, T, H, d).transpose(1, 2)); 'fused' views of one (B, T, 3, H, d) projection;
+    'roped' as a model whose rotary embedding makes new q and k but leaves v a fused projection's view."""
     if layout == "bhtd":
         return q, k, v
+    if layout == "roped":
+        return q, k, in_layout("fused", q, k, v)[2]
     if layout == "bthd":
         return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     fused = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2)  # (B, T, 3, H, d)
@@ -434,6 +437,8 @@ GLUON_CASES = {  # name: (batch, Hq, Hkv, T, d), layout, is_causal, window_size
     "gqa2-full": ((1, 4, 2, 256, 64), "bhtd", False, None),
     "fused-qkv-causal": ((2, 4, 4, 256, 64), "fused", True, None),
     "fused-qkv-full-d128": ((1, 2, 2, 384, 128), "fused", False, None),
+    "roped-causal": ((2, 4, 4, 256, 64), "roped", True, None),
+    "roped-window-64": ((1, 4, 4, 512, 64), "roped", True, (64, 0)),
     "window-100": ((1, 4, 4, 1024, 64), "bhtd", True, (100, 0)),
     "window-0": ((2, 2, 2, 512, 64), "bhtd", True, (0, 0)),
     "window-192-gqa2-bthd": ((2, 4, 2, 768, 64), "bthd", True, (192, 0)),

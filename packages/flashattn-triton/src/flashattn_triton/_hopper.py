@@ -83,8 +83,8 @@ def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...],
              band: tuple[int, int] | None = None) -> bool:
     """Whether the Gluon kernel of pass_name ("fwd" or "bwd") runs this problem: Hopper, 16-bit, a head
     dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, K/V heads dividing q's (grouped-query attention),
-    every tensor (q, k, v[, out, dO]) in a head_layout, k's and v's the same, and no band other than a
-    causal sliding window (right = 0)."""
+    every tensor (q, k, v[, out, dO]) in a head_layout, and no band other than a causal sliding window
+    (right = 0)."""
     sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
     if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS[pass_name]):
         return False
@@ -93,8 +93,7 @@ def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...],
     seqlen, heads, kv_heads = q.shape[-2], q.shape[1], k.shape[1]
     if seqlen % 128 or k.shape[-2] != seqlen or heads % kv_heads or (band is not None and band[1] != 0):
         return False
-    layouts = [head_layout(t) for t in tensors]
-    if None in layouts or layouts[1] != layouts[2]:
+    if any(head_layout(t) is None for t in tensors):
         return False
     return torch.cuda.get_device_capability(q.device) == (9, 0) and available()
 
@@ -115,6 +114,16 @@ def matrix(t: torch.Tensor, n: int) -> tuple[Tiles, tuple[int, int, int]]:
     return Tiles(view, (n, head_dim), _gluon().tiles), layout
 
 
+def _descriptor_args(descriptors: dict[str, tuple[Tiles, tuple[int, int, int]]]) -> dict[str, Any]:
+    """The kernels' arguments of each named descriptor: name_desc, and its head layout as name_zr, name_hr,
+    name_hc."""
+    args = {}
+    for name, (tiles, (rows_per_z, rows_per_h, columns_per_h)) in descriptors.items():
+        args.update({f"{name}_desc": tiles, f"{name}_zr": rows_per_z, f"{name}_hr": rows_per_h,
+                     f"{name}_hc": columns_per_h})  # fmt: skip
+    return args
+
+
 def _band_args(is_causal: bool, window_left: int | None) -> dict[str, Any]:
     """CAUSAL, WINDOW and window_left: a window (left, 0) is causal attention that also hides keys more
     than window_left before the query."""
@@ -127,12 +136,10 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                  window_left: int | None) -> dict[str, Any]:  # fmt: skip
     """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step."""
     rows = block_m // 2
-    (q_desc, (q_zr, q_hr, q_hc)), (o_desc, (o_zr, o_hr, o_hc)) = matrix(q, rows), matrix(out, rows)
-    (k_desc, (kv_zr, kv_hr, kv_hc)), (v_desc, _) = matrix(k, block_n), matrix(v, block_n)
-    return dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=o_desc, L=lse, q_zr=q_zr, q_hr=q_hr,
-                q_hc=q_hc, kv_zr=kv_zr, kv_hr=kv_hr, kv_hc=kv_hc, o_zr=o_zr, o_hr=o_hr, o_hc=o_hc,
-                T=q.shape[2], H=q.shape[1], group=q.shape[1] // k.shape[1], ZH=q.shape[0] * q.shape[1],
-                qk_scale=scale * _gluon().LOG2E, STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
+    descriptors = {"q": matrix(q, rows), "k": matrix(k, block_n), "v": matrix(v, block_n),
+                   "o": matrix(out, rows)}  # fmt: skip
+    return dict(**_descriptor_args(descriptors), **_head_args(q, k), L=lse, qk_scale=scale * _gluon().LOG2E,
+                STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
                 **_band_args(is_causal, window_left))  # fmt: skip
 
 
@@ -143,15 +150,16 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
     (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors."""
     kernels = _gluon()
-    q_desc, (q_zr, q_hr, q_hc) = matrix(q, block_m)
-    do_desc, (do_zr, do_hr, do_hc) = matrix(grad_out, block_m)
-    (k_desc, (kv_zr, kv_hr, kv_hc)), (v_desc, _) = matrix(k, block_n), matrix(v, block_n)
-    (dk_desc, (dkv_zr, dkv_hr, dkv_hc)), (dv_desc, _) = matrix(dk, block_n), matrix(dv, block_n)
-    return dict(q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, do_desc=do_desc, dk_desc=dk_desc,
-                dv_desc=dv_desc, dq_desc=matrix(dq_acc, block_m)[0],
+    descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
+                   "do": matrix(grad_out, block_m), "dk": matrix(dk, block_n), "dv": matrix(dv, block_n)}
+    return dict(**_descriptor_args(descriptors), **_head_args(q, k), dq_desc=matrix(dq_acc, block_m)[0],
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
-                dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), q_zr=q_zr, q_hr=q_hr, q_hc=q_hc,
-                do_zr=do_zr, do_hr=do_hr, do_hc=do_hc, kv_zr=kv_zr, kv_hr=kv_hr, kv_hc=kv_hc, dkv_zr=dkv_zr,
-                dkv_hr=dkv_hr, dkv_hc=dkv_hc, T=q.shape[2], H=q.shape[1], group=q.shape[1] // k.shape[1],
-                ZH=q.shape[0] * q.shape[1], qk_scale=scale * kernels.LOG2E, scale=scale, STAGES=stages,
-                LOADER_REGS=LOADER_REGISTERS, **_band_args(is_causal, window_left))  # fmt: skip
+                dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
+                scale=scale, STAGES=stages, LOADER_REGS=LOADER_REGISTERS,
+                **_band_args(is_causal, window_left))  # fmt: skip
+
+
+def _head_args(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:
+    """T, H (query heads), group (query heads per K/V head) and ZH (programs per query tile)."""
+    batch, heads, seqlen = q.shape[:3]
+    return dict(T=seqlen, H=heads, group=heads // k.shape[1], ZH=batch * heads)

@@ -96,17 +96,17 @@ def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring
 @gluon.jit
 def loader(
     q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem, v_smem, ready,
-    empty, kv_bar, q_row, q_col, do_row, do_col, kv_row, kv_col, bh_row, lo, n, STAGES: gl.constexpr,
-    BLOCK_M: gl.constexpr,
+    empty, kv_bar, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, bh_row, lo, n,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition: this program's K and V tiles once (from (kv_row, kv_col) of each), then the
-    query tiles from the head's row lo on (the head's rows start at (q_row, q_col) and (do_row, do_col),
+    """The loader partition: this program's K and V tiles once (from (k_row, k_col), (v_row, v_col)), then
+    the query tiles from the head's row lo on (the head's rows start at (q_row, q_col) and (do_row, do_col),
     and at bh_row of L and D). Step j reuses stage j % STAGES once the consumers released step j - STAGES
     on `empty` (its (j // STAGES)-th completion: parity ((j // STAGES) & 1) ^ 1, which a fresh barrier
     passes at once for j < STAGES)."""
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem)
     for j in range(n):
         mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
         row = lo + j * BLOCK_M
@@ -178,15 +178,15 @@ def step(
 @gluon.jit
 def consumer(
     k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar, dq_desc,
-    dk_desc, dv_desc, dkv_row, dkv_col, bh_row, key0, lo, n, edge, qk_scale, scale, window_left,
+    dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, bh_row, key0, lo, n, edge, qk_scale, scale, window_left,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
     q_layout: gl.constexpr,
 ):  # fmt: skip
     """The compute partition: the diagonal steps unrolled and masked (under causal; else step 0
     unrolled, unmasked), then the steps that see every key in a loop, then (a window's) those from step
-    `edge` on that lose keys at its far edge, then dK and dV out through TMA (at (dkv_row, dkv_col) of
-    each). Peeling
+    `edge` on that lose keys at its far edge, then dK and dV out through TMA (at (dk_row, dk_col), (dv_row,
+    dv_col)). Peeling
     keeps ptxas from serializing every wgmma: a loop that may run zero times would feed zero-initialised
     accumulators into the epilogue's wait."""
     FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
@@ -220,15 +220,16 @@ def consumer(
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [dkv_row, dkv_col], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [dkv_row, dkv_col], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [dk_row, dk_col], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [dv_row, dv_col], v_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def attn_bwd(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, q_zr, q_hr, q_hc, do_zr,
-    do_hr, do_hc, kv_zr, kv_hr, kv_hc, dkv_zr, dkv_hr, dkv_hc, T, H, group, ZH, qk_scale, scale, window_left,
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, q_zr, q_hr, q_hc, k_zr, k_hr,
+    k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
+    qk_scale, scale, window_left,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """Grid: (T / BLOCK_N * Z * H,), heaviest first (key tile 0 of every head, then tile 1, ...). Head
@@ -256,8 +257,10 @@ def attn_bwd(
     bh_row = bh * T  # this head's first row of L, D and dQ's sum
     q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
     do_row, do_col = head_start(z, h, do_zr, do_hr, do_hc)
-    kv_row, kv_col = head_start(z, h // group, kv_zr, kv_hr, kv_hc)
-    dkv_row, dkv_col = head_start(z, h, dkv_zr, dkv_hr, dkv_hc)
+    k_row, k_col = head_start(z, h // group, k_zr, k_hr, k_hc)
+    v_row, v_col = head_start(z, h // group, v_zr, v_hr, v_hc)
+    dk_row, dk_col = head_start(z, h, dk_zr, dk_hr, dk_hc)
+    dv_row, dv_col = head_start(z, h, dv_zr, dv_hr, dv_hc)
     if CAUSAL:
         lo = (key0 // BLOCK_M) * BLOCK_M
     else:
@@ -296,12 +299,12 @@ def attn_bwd(
 
     gl.warp_specialize([
         (consumer, (k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar,
-                    dq_desc, dk_desc, dv_desc, dkv_row + key0, dkv_col, bh_row, key0, lo, n, edge, qk_scale,
-                    scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
-                    q_layout)),
+                    dq_desc, dk_desc, dv_desc, dk_row + key0, dk_col, dv_row + key0, dv_col, bh_row, key0, lo,
+                    n, edge, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
+                    s_layout, d_layout, q_layout)),
         (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem,
-                  v_smem, ready, empty, kv_bar, q_row, q_col, do_row, do_col, kv_row + key0, kv_col, bh_row,
-                  lo, n, STAGES, BLOCK_M)),
+                  v_smem, ready, empty, kv_bar, q_row, q_col, do_row, do_col, k_row + key0, k_col,
+                  v_row + key0, v_col, bh_row, lo, n, STAGES, BLOCK_M)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
 
 
@@ -311,11 +314,11 @@ def attn_bwd(
 
 @gluon.jit
 def forward_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, q_row,
-                   q_col, kv_row, kv_col, top, n, STAGES: gl.constexpr):  # fmt: skip
+                   q_col, k_row, k_col, v_row, v_col, top, n, STAGES: gl.constexpr):  # fmt: skip
     """The loader partition: both consumers' Q tiles once (from (q_row, q_col)), then K and V of key tile
-    top - j at step j (the diagonal first, then descending; the head's keys from (kv_row, kv_col)) into
-    stage j % STAGES, K and V on barriers of their own so that S = QKᵀ can start before V lands. Stage
-    reuse waits for both consumers' release on `empty`."""
+    top - j at step j (the diagonal first, then descending; the head's rows from (k_row, k_col) and (v_row,
+    v_col)) into stage j % STAGES, K and V on barriers of their own so that S = QKᵀ can start before V
+    lands. Stage reuse waits for both consumers' release on `empty`."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -324,11 +327,11 @@ def forward_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_read
     for j in range(n):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        row = kv_row + (top - j) * BLOCK_N
+        key0 = (top - j) * BLOCK_N
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_ring.index(s))
+        tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], k_ready.index(s), k_ring.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_ring.index(s))
+        tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], v_ready.index(s), v_ring.index(s))
 
 
 @gluon.jit
@@ -443,8 +446,8 @@ def forward_consumer1(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, tu
 
 @gluon.jit
 def attn_fwd(
-    q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, kv_zr, kv_hr, kv_hc, o_zr, o_hr, o_hc, T, H, group,
-    ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, o_zr, o_hr, o_hc,
+    T, H, group, ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
     """O and L (natural log, float32 (Z*H*T,)) of 2 * BM query rows of one (z, h), BM = q_desc's rows,
@@ -474,7 +477,8 @@ def attn_fwd(
     z = bh // H
     h = bh % H
     q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
-    kv_row, kv_col = head_start(z, h // group, kv_zr, kv_hr, kv_hc)
+    k_row, k_col = head_start(z, h // group, k_zr, k_hr, k_hc)
+    v_row, v_col = head_start(z, h // group, v_zr, v_hr, v_hc)
     o_row, o_col = head_start(z, h, o_zr, o_hr, o_hc)
     bh_row = bh * T
 
@@ -501,7 +505,7 @@ def attn_fwd(
     # consumer as the default partition would ask for 256 and oversubscribe the register file).
     gl.warp_specialize([
         (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty,
-                          q_row + q0, q_col, kv_row, kv_col, top, n, STAGES)),
+                          q_row + q0, q_col, k_row, k_col, v_row, v_col, top, n, STAGES)),
         (forward_consumer0, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
                              o_row, o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW)),
         (forward_consumer1, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
