@@ -50,12 +50,16 @@ def train_like_torch(wrap, rank: int, device: torch.device, hook, uneven: bool) 
 
 def fsdp_matches_one_process(rank: int, world: int, device: torch.device) -> None:
     """FSDP (reduce-scatter and all-gather on NCCL; a plain SUM at one rank) against one process on the
-    whole batch computing with the same weights: fp32, and bf16 copies of every parameter."""
+    whole batch computing with the same weights: fp32 under AdamW, and bf16 copies of every parameter
+    under SGD. (bf16 gradients summed over ranks round differently from one process's; AdamW's step is
+    about lr * sign(g) for a gradient near 0, so such a rounding moved one weight of 512 by lr (2 H200s).
+    SGD's step is lr * g, within bf16's rounding of the reference's.)"""
     for dtype in (None, torch.bfloat16):
         torch.manual_seed(0)
         reference = model().to(device)
         fsdp = FSDP(copy.deepcopy(reference), compute_dtype=dtype)
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fsdp, reference)]
+        optimizer = torch.optim.AdamW if dtype is None else torch.optim.SGD
+        opts = [optimizer(m.parameters(), lr=1e-2) for m in (fsdp, reference)]
         for step in range(3):
             g = torch.Generator(device=device).manual_seed(step)
             x = torch.randn(world * PER_RANK, 16, device=device, generator=g)
