@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_triton
-from flashattn_triton import reference_attention, reference_logsumexp
+from flashattn_triton import _inputs, reference_attention, reference_logsumexp
 
 # Floors of the (relative Frobenius error, max error relative to max |reference|) allowed per dtype for
 # O, L and each gradient; typical: float32 ~5e-7, float16 ~1e-3, bfloat16 ~1e-2 (max-norm, d = 128).
@@ -156,6 +156,22 @@ def tuning_cache_of_the_session(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("tuning-cache")))
         yield
+
+
+@pytest.fixture
+def in_place_outputs(monkeypatch) -> list[bool]:
+    """For each output or gradient the kernels write through _inputs.kernel_output, in call order: whether
+    they write it in place (their tensor is a view of it) rather than into one copied back after."""
+    in_place = []
+    kernel_output = _inputs.kernel_output
+
+    def recording(out, *args):
+        x4 = kernel_output(out, *args)
+        in_place.append(x4.data_ptr() == out.data_ptr())
+        return x4
+
+    monkeypatch.setattr(_inputs, "kernel_output", recording)
+    return in_place
 
 
 @pytest.fixture

@@ -597,19 +597,11 @@ def test_opcheck_on_cuda(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fused", [False, True], ids=["transposed", "fused-qkv"])
-def test_outputs_and_gradients_in_the_inputs_layouts(monkeypatch, dtype, fused):
+def test_outputs_and_gradients_in_the_inputs_layouts(in_place_outputs, dtype, fused):
     """q, k, v as a model passes them ((B, T, H, d) memory, or thirds of one fused projection): O, dQ, dK,
     dV in packed (B, T, H, d) memory as SDPA's, written in place where the host builds the descriptors
     (Hopper), with SDPA's values; opcheck's fake and real strides agree."""
-    in_place = []
-    kernel_output = _inputs.kernel_output
-
-    def recording(out, *args):
-        x4 = kernel_output(out, *args)
-        in_place.append(x4.data_ptr() == out.data_ptr())
-        return x4
-
-    monkeypatch.setattr(_inputs, "kernel_output", recording)
+    in_place = in_place_outputs
     batch, heads, seqlen, head_dim = 2, 4, 256, 64
     x = torch.randn(batch, seqlen, 3, heads, head_dim, device="cuda", dtype=dtype)
     if fused:

@@ -1,4 +1,6 @@
-"""Runs interpreted_kernels.py in a subprocess with TRITON_INTERPRET=1.
+"""Runs the interpreted_*.py modules, each in a subprocess with TRITON_INTERPRET=1: the tuned kernels
+(interpreted_kernels.py), the feature kernels (interpreted_features.py) and packed sequences on the tuned
+kernels (interpreted_varlen.py), on CPU.
 
 Triton decides between compiling and interpreting when a kernel is defined, so the interpreter needs
 its own process; this keeps the variable out of every other test of the same pytest run.
@@ -17,33 +19,19 @@ import torch
 from flashattn_triton import FlashAttentionTriton
 from flashattn_triton._launcher import interpreted
 
+INTERPRETED = ["interpreted_kernels.py", "interpreted_features.py", "interpreted_varlen.py"]
 
-def test_triton_kernels_under_the_interpreter(triton_interpreter):
+
+@pytest.mark.parametrize("module", INTERPRETED)
+def test_kernels_under_the_interpreter(triton_interpreter, module):
     here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--import-mode=importlib",
-            "--rootdir",
-            str(here),
-            "-o",
-            "addopts=",
-            str(here / "interpreted_kernels.py"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=importlib",
+               "--rootdir", str(here), "-o", "addopts=", str(here / module)]  # fmt: skip
+    result = subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                            text=True, timeout=280)  # fmt: skip
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0 and " passed" in summary and "skipped" not in summary, (
-        f"interpreted kernel tests failed ({summary}):\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+        f"{module} failed ({summary}):\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     )
 
 
