@@ -18,6 +18,12 @@ Per step, with the transposed scores (keys are the rows):
     dS^T = P^T * (dP^T - D[q])
     dQ_q += scale * dS K                          (dS^T through shared memory; a TMA reduce-add of fp32)
     dK  += dS^T Q                                 (left in flight into the next step)
+
+Both take each tensor as a matrix whose rows are its time steps (``matrix``,
+decisions.md#gluon-model-layouts): (B, H, T, d) memory, or (B, T, H, d) memory as a model's transposed and
+fused-projection views are, each tensor with a head layout of its own. Query head h reads K/V head
+h // group (grouped-query attention); CAUSAL with WINDOW hides keys more than window_left before the query
+(a causal sliding window).
 """
 
 from __future__ import annotations

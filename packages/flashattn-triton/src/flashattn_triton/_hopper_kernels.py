@@ -27,8 +27,8 @@ _ELEMENTS = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float
 
 
 def tiles(t: torch.Tensor, block: tuple[int, ...]) -> TensorDescriptor:
-    """A TMA descriptor over a contiguous 1-D or 2-D t, moving `block` tiles through NVMMA-swizzled
-    shared memory (the layout wgmma reads)."""
+    """A TMA descriptor over a 1-D or 2-D t with unit stride along its last dim, moving `block` tiles
+    through NVMMA-swizzled shared memory (the layout wgmma reads)."""
     layout = gl.NVMMASharedLayout.get_default_for(list(block), _ELEMENTS[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
 
