@@ -130,29 +130,30 @@ def _descriptor_args(descriptors: dict[str, tuple[Tiles, tuple[int, int, int]]])
     return args
 
 
-def _band_args(is_causal: bool, window_left: int | None) -> dict[str, Any]:
-    """CAUSAL, WINDOW and window_left: a window (left, 0) is causal attention that also hides keys more
-    than window_left before the query."""
-    window = window_left is not None
-    return dict(CAUSAL=is_causal or window, WINDOW=window, window_left=window_left or 0)
+def _band_args(is_causal: bool, mask_args: dict[str, Any]) -> dict[str, Any]:
+    """CAUSAL, WINDOW and window_left from the plan's mask arguments: a band (supports: its right side 0)
+    is causal attention that also hides keys more than window_left before the query."""
+    band = mask_args["BAND"]
+    return dict(CAUSAL=is_causal or band, WINDOW=band, window_left=mask_args["window_left"])
 
 
 def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  block_m: int, block_n: int, stages: int, is_causal: bool, scale: float,
-                 window_left: int | None) -> dict[str, Any]:  # fmt: skip
-    """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step."""
+                 mask_args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step; mask_args: the
+    plan's (its band)."""
     rows = block_m // 2
     descriptors = {"q": matrix(q, rows), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "o": matrix(out, rows)}  # fmt: skip
     return dict(**_descriptor_args(descriptors), **_head_args(q, k), L=lse, qk_scale=scale * _gluon().LOG2E,
                 STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
-                **_band_args(is_causal, window_left))  # fmt: skip
+                **_band_args(is_causal, mask_args))  # fmt: skip
 
 
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
-                  scale: float, window_left: int | None) -> dict[str, Any]:  # fmt: skip
+                  scale: float, mask_args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
     (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors."""
     kernels = _gluon()
@@ -162,7 +163,7 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
                 dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
                 scale=scale, STAGES=stages, LOADER_REGS=LOADER_REGISTERS,
-                **_band_args(is_causal, window_left))  # fmt: skip
+                **_band_args(is_causal, mask_args))  # fmt: skip
 
 
 def _head_args(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

@@ -70,17 +70,20 @@ class Plan:
     def views(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The tensors as the kernels address them (_inputs.kernel_view): as they are where the plan says
         they already are; packed sequences as (total, H, d), contiguous."""
-        if self.as_is:
-            return tensors
-        views = tuple(_inputs.kernel_view(t, self.problem.head_dim, self.host) for t in tensors)
-        return tuple(x[0] for x in views) if self.problem.varlen else views  # (of (1, total, H, d))
+        return self._kernel_tensors(_inputs.kernel_view, tensors)
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """What the kernels write each of tensors (output_like's) through (_inputs.kernel_output)."""
+        return self._kernel_tensors(_inputs.kernel_output, tensors)
+
+    def _kernel_tensors(self, make: Callable[[torch.Tensor, int, bool], torch.Tensor],
+                        tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """make(t, head_dim, host) of each tensor, unless the plan says they already are what it makes;
+        packed sequences' (1, total, H, d) as (total, H, d)."""
         if self.as_is:
             return tensors
-        outputs = tuple(_inputs.kernel_output(t, self.problem.head_dim, self.host) for t in tensors)
-        return tuple(x[0] for x in outputs) if self.problem.varlen else outputs
+        made = tuple(make(t, self.problem.head_dim, self.host) for t in tensors)
+        return tuple(x[0] for x in made) if self.problem.varlen else made
 
     def inputs(self, *views: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
         """The views as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each

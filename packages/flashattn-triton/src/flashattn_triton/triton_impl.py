@@ -137,11 +137,6 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return out, lse
 
 
-def _hopper_window(mask_args: dict[str, Any]) -> int | None:
-    """The Gluon kernels' window: the left side of the band (its right is 0: _hopper.supports)."""
-    return mask_args["window_left"] if mask_args["BAND"] else None
-
-
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
              config: ForwardConfig | None, grouped: bool, band: Band | None = None, dropout_p: float = 0.0,
              rng_state: torch.Tensor | None = None,
@@ -182,7 +177,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
     def args(c: ForwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         if c.hopper:  # (_hopper.supports: T a multiple of 128, heads where _hopper.head_layout finds them)
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
-                                        is_causal, scale, _hopper_window(mask_args))  # fmt: skip
+                                        is_causal, scale, mask_args)  # fmt: skip
         split = c.kv_splits > 1
         partials = None
         if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), for the combine
@@ -291,8 +286,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                                                                       dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
             return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
-                                         c.block_n, c.num_stages, is_causal, scale,
-                                         _hopper_window(mask_args))  # fmt: skip
+                                         c.block_n, c.num_stages, is_causal, scale, mask_args)  # fmt: skip
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
         return phase_args(c, "both")
