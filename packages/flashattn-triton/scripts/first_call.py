@@ -6,9 +6,9 @@ with the cache the first process filled (each in a process of its own, sharing o
 Each process first starts CUDA (torch's context, not timed), then times importing flashattn_triton, its
 first forward and first backward (bfloat16, causal, each synchronized), then a second forward+backward.
 Triton's own kernel cache (~/.triton/cache) is warm in every process after the first, and so is Python's
-bytecode: the processes share a PYTHONPYCACHEPREFIX, so that modules the first one compiled (torch's, where
-its install holds no .pyc) are not compiled again, as in a normal install. That is what a user's second run
-sees.
+bytecode: the processes share a PYTHONPYCACHEPREFIX (and may write it, whatever PYTHONDONTWRITEBYTECODE
+says), so that modules the first one compiled (torch's, where its install holds no .pyc) are not compiled
+again, as in a normal install. That is what a user's second run sees.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def child(shape: str) -> None:
 
 def measure(shape: str, cache: str, pycache: str) -> dict[str, float]:
     env = {**os.environ, "FLASHATTN_TRITON_CACHE_DIR": cache, "PYTHONPYCACHEPREFIX": pycache}
+    # A container may set PYTHONDONTWRITEBYTECODE, and then every process compiles Triton's and torch's
+    # lazily imported modules from source again: not what a user's second run sees.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     result = subprocess.run([sys.executable, __file__, "--child", shape], env=env, capture_output=True,
                             text=True, check=True)  # fmt: skip
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -77,6 +81,18 @@ def test_transposed_gradients_and_split_need_the_dq_phase():
 def test_gluon_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_GLUON", "0")
     assert not _hopper.available()
+
+
+def test_gluon_availability_is_read_without_importing_gluon():
+    """A warm process whose tuned choices are Triton-language kernels never pays Gluon's import (~0.15 s):
+    available() reads Triton's files; the kernels module loads when a Gluon kernel first runs."""
+    triton = pytest.importorskip("triton")
+    gluon_hopper = pathlib.Path(triton.__file__).parent / "experimental/gluon/language/nvidia/hopper"
+    code = ("import sys; from flashattn_triton import _hopper; "
+            "print(_hopper.available(), 'triton.experimental.gluon' in sys.modules)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={**os.environ, "FLASHATTN_TRITON_GLUON": "1"})  # fmt: skip
+    assert result.stdout.split() == [str(gluon_hopper.is_dir()), "False"]
 
 
 def test_hopper_kernel_refused_where_it_does_not_apply():

@@ -1,7 +1,8 @@
 """Kernels for Hopper (sm_90) in Gluon, Triton's lower-level dialect: explicit shared memory, TMA,
 mbarriers, asynchronous wgmma and warp specialization, which the Triton-language kernels cannot express.
-Written against Triton 3.6's Gluon (``available()`` says whether this Triton has it); the launchers offer
-them to their tuner where they apply (``supports``) and keep the Triton-language kernels elsewhere.
+Written against Triton 3.6's Gluon (``available()`` says whether this Triton ships it, from its files: the
+kernels module, which imports Gluon, loads when a Gluon kernel first runs); the launchers offer them to
+their tuner where they apply (``supports``) and keep the Triton-language kernels elsewhere.
 
 Forward (``_hopper_kernels.attn_fwd``, decisions.md#gluon-forward): FA3's ping-pong. Two 4-warp consumers
 own 64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
@@ -29,7 +30,9 @@ h // group (grouped-query attention); CAUSAL with WINDOW hides keys more than wi
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,20 +49,31 @@ FORWARD_CONSUMER_REGISTERS = 240
 
 @functools.cache
 def _gluon() -> Any:
-    """The kernels module, or None when this Triton has no Gluon for Hopper (checked once)."""
-    try:
-        from flashattn_triton import _hopper_kernels
-    except (ImportError, AttributeError):
-        return None
+    """The kernels module, imported when a Gluon kernel first runs (a Gluon whose API differs from Triton
+    3.6's fails here, and the tuner skips the Gluon candidates: decisions.md#gluon-after-default)."""
+    from flashattn_triton import _hopper_kernels
+
     return _hopper_kernels
 
 
+@functools.cache
+def _gluon_shipped() -> bool:
+    """Whether this Triton has Gluon for Hopper, read from its files without importing it: importing
+    Gluon costs ~0.15 s of a process's first call, which a process whose tuned choices are all
+    Triton-language kernels need not pay (decisions.md#tune-first-call)."""
+    spec = importlib.util.find_spec("triton")
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    gluon = [Path(root) / "experimental" / "gluon" for root in locations]
+    return any((g / "language" / "nvidia" / "hopper").is_dir() and (g / "nvidia" / "hopper.py").is_file()
+               for g in gluon)  # fmt: skip
+
+
 def available() -> bool:
-    """Whether the Gluon kernels can be offered: this Triton has Gluon for Hopper and
+    """Whether the Gluon kernels can be offered: this Triton ships Gluon for Hopper and
     FLASHATTN_TRITON_GLUON is not 0 (the switch to keep the Triton-language kernels everywhere)."""
     if os.environ.get("FLASHATTN_TRITON_GLUON", "1").strip().lower() in ("0", "false", "off", "no"):
         return False
-    return _gluon() is not None
+    return _gluon_shipped()
 
 
 def head_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
