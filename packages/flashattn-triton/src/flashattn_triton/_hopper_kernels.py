@@ -183,8 +183,8 @@ def step(
         dq = warpgroup_mma(k_one.index(zero).permute((1, 0)), ds_one.index(zero),
                            gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
     else:
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, q_layout),
-                           use_acc=False, is_async=True)  # fmt: skip
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
+                           q_layout), use_acc=False, is_async=True)  # fmt: skip
     dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
     # In flight: dV(i), dQ(i), dK(i). Down to one retires dV(i) and dQ(i); dK(i) runs on.
     dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
@@ -311,6 +311,7 @@ def attn_bwd(
     dtype: gl.constexpr = k_desc.dtype
     # K and dS^T in buffers of one, for step's dQ^T (step_zero)
     k_one = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    k_smem = k_one.index(0)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -335,7 +336,7 @@ def attn_bwd(
                     dq_desc, dk_desc, dv_desc, dk_row + key0, dk_col, dv_row + key0, dv_col, bh_row, key0, lo,
                     n, edge, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
                     s_layout, d_layout, q_layout)),
-        (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_one.index(0),
+        (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem,
                   v_smem, ready, empty, kv_bar, q_row, q_col, do_row, do_col, k_row + key0, k_col,
                   v_row + key0, v_col, bh_row, lo, n, STAGES, BLOCK_M)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
