@@ -276,6 +276,7 @@ def attn_bwd(
     NUM_WARPS: gl.constexpr = gl.num_warps()
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
     gl.static_assert(BLOCK_N % BLOCK_M == 0)
+    gl.static_assert(BLOCK_D == BLOCK_N or BLOCK_M == 64, "dQ = dS K takes 64-row steps (a warpgroup's)")
     s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
     d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
     q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
