@@ -32,17 +32,18 @@ def test_hopper_forward_config_must_fit_the_kernel():
 
 
 def test_hopper_configs_step_down_to_the_triton_kernels():
-    (backward,) = HOPPER_BACKWARD
     (forward,) = HOPPER_FORWARD
-    assert smaller(backward) == BackwardConfig(backward.block_m, backward.block_n, backward.num_warps,
-                                               backward.num_stages, atomic_dq=True)  # fmt: skip
+    for backward in (c for row in HOPPER_BACKWARD.values() for c in row):
+        assert smaller(backward) == BackwardConfig(backward.block_m, backward.block_n, backward.num_warps,
+                                                   backward.num_stages, atomic_dq=True)  # fmt: skip
     assert smaller(forward) == ForwardConfig(forward.block_m, forward.block_n, forward.num_warps,
                                              forward.num_stages)  # fmt: skip
 
 
 def test_described_configs_name_the_hopper_kernel():
     assert _planning.describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
-    assert _planning.describe(HOPPER_BACKWARD[0]) == "64/128/8/4/1/168 hopper"
+    assert _planning.describe(HOPPER_BACKWARD[64][0]) == "64/128/8/4/1/168 hopper"
+    assert _planning.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
     config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
     assert _planning.describe(config) == "16/64/4/3/0 transposed_grads split"
@@ -100,8 +101,8 @@ def test_hopper_kernel_refused_where_it_does_not_apply():
     q, k, v, out, grad_out = (torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(5))
     assert not _hopper.supports("bwd", q, (q, k, v, out, grad_out), 64)  # CPU tensors
     lse = torch.zeros(1, 2, 256)
-    with pytest.raises(ValueError, match="16-bit problems with head dim 16 or 32 or 64"):
-        triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, 0.125, HOPPER_BACKWARD[0])
+    with pytest.raises(ValueError, match="16-bit problems with head dim 16 or 32 or 64 or 128"):
+        triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, 0.125, HOPPER_BACKWARD[64][0])
     with pytest.raises(ValueError, match="16-bit problems with head dim 64 or 128"):
         triton_impl.triton_forward(q, k, v, True, 0.125, HOPPER_FORWARD[0])
 

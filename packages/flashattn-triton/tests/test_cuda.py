@@ -287,16 +287,19 @@ needs_hopper_gluon = pytest.mark.skipif(
     (torch.float16, (3,), 512, 64, True),
     (torch.bfloat16, (2,), 256, 32, True),
     (torch.bfloat16, (1, 2), 256, 16, False),
+    (torch.bfloat16, (2, 3), 384, 128, True),
+    (torch.float16, (1, 2), 256, 128, False),
 ])  # fmt: skip
 def test_hopper_backward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_causal):
-    """The Gluon kernel (named explicitly: problems this small would otherwise take the small path)."""
+    """The Gluon kernel (named explicitly: problems this small would otherwise take the small path), each
+    candidate of its head dim."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1)
-    poison_allocator()
-    grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.1,
-                                        _configs.HOPPER_BACKWARD[0])  # fmt: skip
-    p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
+    for config in _configs.hopper_candidates("bwd", head_dim):
+        poison_allocator()
+        grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.1, config)
+        p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
 
 
 @needs_hopper_gluon
@@ -317,7 +320,7 @@ def test_hopper_forward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_
 @needs_hopper_gluon
 def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypatch):
     """Candidates for 16-bit problems with T a multiple of 128, a head dim each compiles for (forward 64,
-    128; backward 16, 32, 64), inputs in (B, H, T, d) or (B, T, H, d) memory, grouped-query attention or
+    128; backward 16, 32, 64, 128), inputs in (B, H, T, d) or (B, T, H, d) memory, grouped-query attention or
     not, causal windows, rows of a wider tensor; never for others (ragged lengths, head dims padded for
     the kernels, windows that see ahead)."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
@@ -337,7 +340,7 @@ def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypa
         offered[name] = {key[0]: any(c.hopper for c in plan.candidates) for key, plan in plans}
         triton_impl._plans.clear()
     no, both = {"fwd": False, "bwd": False}, {"fwd": True, "bwd": True}
-    assert offered == {"d=64": both, "d=128": {"fwd": True, "bwd": False},
+    assert offered == {"d=64": both, "d=128": both,
                        "d=32": {"fwd": False, "bwd": True}, "ragged": no, "transposed": both, "d=48": no,
                        "gqa": both, "causal-window": both, "window-ahead": no, "padded": both}
 

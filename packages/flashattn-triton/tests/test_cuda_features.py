@@ -443,6 +443,9 @@ GLUON_CASES = {  # name: (batch, Hq, Hkv, T, d), layout, is_causal, window_size
     "window-0": ((2, 2, 2, 512, 64), "bhtd", True, (0, 0)),
     "window-192-gqa2-bthd": ((2, 4, 2, 768, 64), "bthd", True, (192, 0)),
     "window-1000-gqa4-d128": ((1, 8, 2, 1280, 128), "bthd", False, (1000, 0)),
+    "gqa8-causal-d128": ((1, 8, 1, 512, 128), "bhtd", True, None),
+    "gqa4-full-bthd-d128": ((2, 8, 2, 384, 128), "bthd", False, None),
+    "roped-window-100-d128": ((1, 4, 4, 640, 128), "roped", True, (100, 0)),
     "window-wider-than-t-d32": ((1, 2, 2, 384, 32), "bhtd", True, (500, 0)),
 }
 
@@ -471,7 +474,7 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ca
     want = float64_torch_path(args, grad_out)
     gluon = {pass_name: head_dim in _hopper.HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
     forward = _configs.HOPPER_FORWARD[0] if gluon["fwd"] else None
-    backward = _configs.HOPPER_BACKWARD[0] if gluon["bwd"] else None
+    backward = _configs.hopper_candidates("bwd", head_dim)[0] if gluon["bwd"] else None
     torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations' memory)
     out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)
     grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, args.scale, backward,

@@ -150,6 +150,19 @@ def test_dropout_problems_run_no_gluon_kernels_and_small_ones_add_no_dq_atomical
     assert not any(c.atomic_dq for c in candidates(dataclasses.replace(small, deterministic=True)))
 
 
+def test_hopper_backward_candidates_follow_the_default_with_the_head_dims_own():
+    """The Gluon backward's candidates come after the Triton-language default, those of its head dim: at
+    d = 128 32-row steps (what compiles without spills), below it 64-row steps (d <= 64 shares 64's)."""
+    for head_dim, steps in ((128, {32}), (64, {64}), (32, {64}), (16, {64})):
+        problem = Problem("bwd", 32, 4096, 4096, head_dim, torch.bfloat16, True, "tf32", 132, hopper=True,
+                          group=8)  # fmt: skip
+        listed = candidates(problem)
+        gluon = [c for c in listed if c.hopper]
+        assert not listed[0].hopper and gluon == listed[-len(gluon):], head_dim
+        assert {c.block_m for c in gluon} == steps and all(c.block_n == 128 for c in gluon), head_dim
+        assert not any(c.hopper for c in candidates(dataclasses.replace(problem, hopper=False)))
+
+
 def test_grouped_problems_are_offered_hopper_kernels_where_supported_and_tune_apart():
     """Grouped-query attention (K/V heads shared by a group of query heads) is offered the Gluon kernels
     where _hopper.supports says they take it (Problem.hopper), and keeps its tuned choice apart from

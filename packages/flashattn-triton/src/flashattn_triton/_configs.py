@@ -151,9 +151,21 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 
 # The Gluon kernels on Hopper (decisions.md#gluon-forward, #gluon-backward; Triton 3.6), for the problems
 # _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
-# cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg).
+# cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
+# backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
+# time, the most that compile without spills (decisions.md#gluon-backward-128).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
-HOPPER_BACKWARD = [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)]
+HOPPER_BACKWARD = {
+    64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)],
+    128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
+          B(32, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True)],
+}
+
+
+def hopper_candidates(pass_name: str, block_d: int) -> list[ForwardConfig | BackwardConfig]:
+    """The Gluon kernel's candidates for pass_name ("fwd" or "bwd") at head dim block_d (one
+    _hopper.supports takes)."""
+    return list(HOPPER_FORWARD) if pass_name == "fwd" else list(HOPPER_BACKWARD[max(block_d, 64)])
 
 
 def dq_launch(config: BackwardConfig) -> BackwardConfig:

@@ -10,14 +10,15 @@ products; a loader partition streams 128-key tiles of K and V through a ring of 
 
 Backward (``_hopper_kernels.attn_bwd``, decisions.md#gluon-backward): ``_kernels.attn_bwd``'s algorithm with
 ATOMIC_DQ. One program owns 128 keys of one (z, h) (two consumer warpgroups of 64), keeps K and V in
-shared memory, and a one-warp loader streams the query tiles of 64 rows that see them (Q, dO, L, D).
-Per step, with the transposed scores (keys are the rows):
+shared memory, and a one-warp loader streams the query tiles of 64 rows (32 at d = 128) that see them
+(Q, dO, L, D). Per step, with the transposed scores (keys are the rows):
 
     S^T  = K Q^T ;  dP^T = V dO^T                 (issued back to back: dP^T runs during the softmax)
     P^T  = exp2(S^T * qk_scale - L2[q])           (L2 = L * log2 e)
     dV  += P^T dO                                 (P^T from registers; runs during dS)
     dS^T = P^T * (dP^T - D[q])
-    dQ_q += scale * dS K                          (dS^T through shared memory; a TMA reduce-add of fp32)
+    dQ_q += scale * dS K                          (dS^T through shared memory; a TMA reduce-add of fp32;
+                                                   d = 128: dQ^T = K^T dS^T, #gluon-backward-128)
     dK  += dS^T Q                                 (left in flight into the next step)
 
 Both take each tensor as a matrix whose rows are its time steps (``matrix``,
@@ -40,9 +41,9 @@ import torch
 from flashattn_triton._inputs import as_4d
 from flashattn_triton._tiles import Tiles
 
-# Head dims each kernel compiles for without spills (the backward at d = 128 spilled 352 bytes and lost
-# to the Triton kernel).
-HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64)}
+# Head dims each kernel compiles for without spills (the backward at d = 128 in 32-row steps, with dQ
+# transposed: _hopper_kernels.step).
+HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 FORWARD_CONSUMER_REGISTERS = 240
 

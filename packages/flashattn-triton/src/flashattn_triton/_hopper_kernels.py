@@ -65,6 +65,14 @@ def head_start(z, h, rows_per_z, rows_per_h, columns_per_h):
 
 
 @gluon.jit
+def step_zero(i):
+    """0 for every step i below 2**30, from an instruction LLVM cannot see through: a buffer of one indexed
+    with it has the wgmma descriptors of its products computed in the step rather than hoisted out of the
+    loop (see step)."""
+    return gl.inline_asm_elementwise("shr.u32 $0, $1, 30;", "=r,r", [i], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def visible(x, queries, keys, window_left, fill, DIAG: gl.constexpr, EDGE: gl.constexpr):
     """x where the query sees the key, else fill (queries and keys broadcast against x): DIAG, keys after
     the query are hidden (a diagonal tile); EDGE, so are keys more than window_left before it (a
@@ -116,13 +124,22 @@ def loader(
 
 @gluon.jit
 def step(
-    i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty,
+    i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
     dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
 ):  # fmt: skip
     """One query tile of the consumer warpgroups, masked as visible's DIAG and EDGE say; returns dK and dV
-    (dK still in flight)."""
+    (dK still in flight). K and dS^T: buffers of one (k_one, ds_one).
+
+    Where d = BLOCK_N (d = 128 at 8 warps), dQ is computed transposed, dQ^T = K^T dS^T: its d rows split
+    over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
+    is below wgmma's 64 rows a warpgroup). Its operands come from K and dS^T indexed with step_zero: hoisted
+    out of the loop, the 16 descriptors held 32 registers and the kernel spilled (at 64-row steps d = 128
+    spills and serializes its wgmmas anyway: S, dP, dK and dV leave too few registers)."""
+    TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
+    k_smem = k_one.index(0)
+    ds_smem = ds_one.index(0)
     s = i % STAGES
     m0 = lo + i * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
@@ -161,54 +178,68 @@ def step(
     ds_smem.store(ds_t)
     fence_async_shared()
     gl.thread_barrier()
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, q_layout),
-                       use_acc=False, is_async=True)  # fmt: skip
+    if TRANSPOSED_DQ:
+        zero = step_zero(i)
+        dq = warpgroup_mma(k_one.index(zero).permute((1, 0)), ds_one.index(zero),
+                           gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
+                           q_layout), use_acc=False, is_async=True)  # fmt: skip
     dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
     # In flight: dV(i), dQ(i), dK(i). Down to one retires dV(i) and dQ(i); dK(i) runs on.
     dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
     # The dQ share through shared memory (fp32) to a TMA reduce-add: fence, barrier, one issue.
     dq_buf = dq_ring.index(i % 2)
+    if TRANSPOSED_DQ:
+        dq_buf = dq_buf.permute((1, 0))
     dq_buf.store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
-    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_buf)
+    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_ring.index(i % 2))
     return dk, dv
 
 
 @gluon.jit
 def consumer(
-    k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar, dq_desc,
+    k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_bar, dq_desc,
     dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, bh_row, key0, lo, n, edge, qk_scale, scale, window_left,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
     q_layout: gl.constexpr,
 ):  # fmt: skip
-    """The compute partition: the diagonal steps unrolled and masked (under causal; else step 0
-    unrolled, unmasked), then the steps that see every key in a loop, then (a window's) those from step
-    `edge` on that lose keys at its far edge, then dK and dV out through TMA (at (dk_row, dk_col), (dv_row,
-    dv_col)). Peeling
-    keeps ptxas from serializing every wgmma: a loop that may run zero times would feed zero-initialised
-    accumulators into the epilogue's wait."""
+    """The compute partition: the diagonal steps masked (under causal; else step 0 alone, unmasked), up
+    to two unrolled and the rest in a loop, then the steps that see every key in a loop, then (a window's)
+    those from step `edge` on that lose keys at its far edge, then dK and dV out through TMA (at (dk_row,
+    dk_col), (dv_row, dv_col); K's buffer of one, k_one, stages dK). Peeling step 0 keeps ptxas from
+    serializing every wgmma: a loop that may run zero times would feed zero-initialised accumulators into
+    the epilogue's wait. Four unrolled diagonal steps (32-row steps) spilled at d = 128."""
     FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
+    UNROLLED: gl.constexpr = FIRST if FIRST <= 2 else 1
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
     mbarrier.wait(kv_bar, 0)
-    for i in gl.static_range(FIRST):
+    for i in gl.static_range(UNROLLED):
         dk, dv = step(
-            i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready,
+            i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
+            empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
+            BLOCK_D, s_layout, d_layout, q_layout,
+        )  # fmt: skip
+    for i in range(UNROLLED, FIRST):
+        dk, dv = step(
+            i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
             empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
             BLOCK_D, s_layout, d_layout, q_layout,
         )  # fmt: skip
     for i in range(FIRST, edge):
         dk, dv = step(
-            i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready,
+            i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
             empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M, BLOCK_N,
             BLOCK_D, s_layout, d_layout, q_layout,
         )  # fmt: skip
     if WINDOW:
         for i in range(edge, n):
             dk, dv = step(
-                i, lo, key0, bh_row, k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring,
+                i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
                 ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True, STAGES, BLOCK_M,
                 BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
             )  # fmt: skip
@@ -216,6 +247,7 @@ def consumer(
     # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
     tma.store_wait(pendings=0)
     gl.thread_barrier()
+    k_smem = k_one.index(0)
     k_smem.store((dk * scale).to(k_smem.dtype))
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
@@ -244,6 +276,7 @@ def attn_bwd(
     NUM_WARPS: gl.constexpr = gl.num_warps()
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
     gl.static_assert(BLOCK_N % BLOCK_M == 0)
+    gl.static_assert(BLOCK_D == BLOCK_N or BLOCK_M == 64, "dQ = dS K takes 64-row steps (a warpgroup's)")
     s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
     d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
     q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
@@ -277,14 +310,16 @@ def attn_bwd(
     n = (end - lo) // BLOCK_M
 
     dtype: gl.constexpr = k_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    # K and dS^T in buffers of one, for step's dQ^T (step_zero)
+    k_one = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    k_smem = k_one.index(0)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
     dl_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+    ds_one = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
     dq_ring = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -298,7 +333,7 @@ def attn_bwd(
     gl.thread_barrier()
 
     gl.warp_specialize([
-        (consumer, (k_smem, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_smem, dq_ring, ready, empty, kv_bar,
+        (consumer, (k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_bar,
                     dq_desc, dk_desc, dv_desc, dk_row + key0, dk_col, dv_row + key0, dv_col, bh_row, key0, lo,
                     n, edge, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
                     s_layout, d_layout, q_layout)),

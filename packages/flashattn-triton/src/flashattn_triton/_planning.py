@@ -13,12 +13,11 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import (
-    HOPPER_BACKWARD,
-    HOPPER_FORWARD,
     BackwardConfig,
     ForwardConfig,
     backward_candidates,
     forward_candidates,
+    hopper_candidates,
     with_split_key_tiles,
 )
 from flashattn_triton._validation import UNBOUNDED, check_window
@@ -178,7 +177,7 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
                                       problem.sm_count)  # fmt: skip
     if problem.uses_hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
         # portable kernel, and the tuner skips a Gluon build that another Triton version refuses
-        listed = listed + (HOPPER_FORWARD if problem.pass_name == "fwd" else HOPPER_BACKWARD)
+        listed = listed + hopper_candidates(problem.pass_name, problem.block_d)
     return listed
 
 
