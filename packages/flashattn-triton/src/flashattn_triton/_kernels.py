@@ -627,7 +627,7 @@ def _bwd_query_tiles(
         delta = _row_delta(delta_src, do, z, h, start_m, seqlen_q, BLOCK_M, BLOCK_D, ROW_MASK, DELTA_FROM_O)
         dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
         if DROPOUT:
-            dp_t = tl.where(keep_t, dp_t, 0.0) * dropout_scale  # (bare selects: see _fwd_key_tiles)
+            dp_t = dp_t * tl.where(keep_t, dropout_scale, 0.0)  # (the select's form: see _fwd_key_tiles)
         ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dKᵀ += Qᵀ dS
             q_t, q_t_low = _split(tl.trans(q_whole), INPUT_PRECISION)
@@ -667,7 +667,7 @@ def _bwd_key_tiles(
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
         if DROPOUT:
-            dp = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), dp * dropout_scale, 0.0)
+            dp = dp * tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), dropout_scale, 0.0)
         ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dQᵀ += Kᵀ dSᵀ
             k_t, k_t_low = _split(tl.trans(k_whole), INPUT_PRECISION)
