@@ -319,11 +319,12 @@ def _fwd_key_tiles(
     acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, lo, hi, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL_MASK: tl.constexpr, KEY_MASK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, window_left, window_right, BAND_MASK: tl.constexpr, seed, row_calls,
-    dropout_threshold, dropout_scale, DROPOUT: tl.constexpr,
+    dropout_threshold, DROPOUT: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the key tiles [lo, hi) of K/V head h_kv; masks only when CAUSAL_MASK / KEY_MASK
-    / BAND_MASK say so. Under DROPOUT, P V takes P times the kept mask / (1 - p) (kept, from the rows'
-    row_calls), while l sums P undropped: L stays the softmax's logsumexp."""
+    / BAND_MASK say so. Under DROPOUT, P V takes P times the kept mask (kept, from the rows' row_calls),
+    unscaled: every kept probability has the same factor 1 / (1 - p), which attn_fwd applies to O once. l
+    sums P undropped: L stays the softmax's logsumexp."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -350,7 +351,9 @@ def _fwd_key_tiles(
         alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), p * dropout_scale, 0.0)
+            # A bare select, the factor left to the end: selecting p * dropout_scale, LLVM vectorizes the
+            # byte compares and packs their results into bit fields (decisions.md#dropout-bare-select).
+            p = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), p, 0.0)
         v, v_low = _load_value_parts(v_desc, z, batch, h_kv, start_n, BLOCK_N, BLOCK_D, INPUT_PRECISION)
         p, p_low = _split(p.to(v.dtype), INPUT_PRECISION)
         acc = _dot(p, p_low, v, v_low, acc * alpha[:, None], INPUT_PRECISION)
@@ -455,22 +458,24 @@ def attn_fwd(
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, start_n, unmasked_end, seqlen_k,
         qk_scale, BLOCK_N, BLOCK_D, False, False, INPUT_PRECISION, window_left, window_right, False, seed,
-        row_calls, dropout_threshold, dropout_scale, DROPOUT,
+        row_calls, dropout_threshold, DROPOUT,
     )  # fmt: skip
     if BAND:
         acc, l_i, m_i = _fwd_key_tiles(
             acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, band_start, band_end,
             seqlen_k, qk_scale, BLOCK_N, BLOCK_D, False, True, INPUT_PRECISION, window_left, window_right,
-            True, seed, row_calls, dropout_threshold, dropout_scale, DROPOUT,
+            True, seed, row_calls, dropout_threshold, DROPOUT,
         )  # fmt: skip
     # The causal diagonal (a band's upper edge) and the ragged end of the keys (empty for non-causal with
     # full key tiles).
     acc, l_i, m_i = _fwd_key_tiles(
         acc, l_i, m_i, q, q_low, k_desc, v_desc, z, batch, h_kv, offs_m, unmasked_end, masked_end, seqlen_k,
         qk_scale, BLOCK_N, BLOCK_D, CAUSAL, True, INPUT_PRECISION, window_left, window_right, BAND, seed,
-        row_calls, dropout_threshold, dropout_scale, DROPOUT,
+        row_calls, dropout_threshold, DROPOUT,
     )  # fmt: skip
 
+    if DROPOUT:  # the kept probabilities' factor, left out of the loops
+        acc = acc * dropout_scale
     if SPLIT_KV:
         # Partials (float32): O of (splits, Z * H, tiles * BLOCK_M) rows, normalized (0 where no key was
         # seen), then each row's m + log2(l) (-inf there, which gives that split weight 0).
@@ -585,7 +590,8 @@ def _bwd_query_tiles(
     share is scaled), added atomically to a float32 buffer padded to whole tiles. With TRANSPOSED_GRADS
     dk and dv hold dKᵀ and dVᵀ (see attn_bwd). CAUSAL_MASK or BAND_MASK (at most one) mask the scores.
     Under DROPOUT the forward's mask M again (row i's counters at head_calls + i * calls_per_row, key_start
-    the tile's first key): dV += (P∘M)ᵀ dO / (1 - p) and dS = P∘(M∘dP / (1 - p) - D)."""
+    the tile's first key): dV += (P∘M)ᵀ dO, its factor 1 / (1 - p) left to attn_bwd (as the forward's to
+    O), and dS = P∘(M∘dP / (1 - p) - D)."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in tl.range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -610,7 +616,7 @@ def _bwd_query_tiles(
         if DROPOUT:
             row_calls = head_calls + rows.to(tl.int64) * calls_per_row
             keep_t = tl.trans(kept(seed, row_calls, key_start, dropout_threshold, BLOCK_N))
-            p_high, p_low = _split(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), INPUT_PRECISION)
+            p_high, p_low = _split(tl.where(keep_t, p_t, 0.0).to(do.dtype), INPUT_PRECISION)
         else:
             p_high, p_low = _split(p_t.to(do.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dVᵀ += dOᵀ P
@@ -621,7 +627,7 @@ def _bwd_query_tiles(
         delta = _row_delta(delta_src, do, z, h, start_m, seqlen_q, BLOCK_M, BLOCK_D, ROW_MASK, DELTA_FROM_O)
         dp_t = _dot(v, v_low, tl.trans(do), tl.trans(do_low), None, INPUT_PRECISION)
         if DROPOUT:
-            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
+            dp_t = dp_t * tl.where(keep_t, dropout_scale, 0.0)  # (the select's form: see _fwd_key_tiles)
         ds_high, ds_low = _split((p_t * (dp_t - delta[None, :])).to(q.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dKᵀ += Qᵀ dS
             q_t, q_t_low = _split(tl.trans(q_whole), INPUT_PRECISION)
@@ -661,7 +667,7 @@ def _bwd_key_tiles(
             p = tl.where(visible, p, 0.0)
         dp = _dot(do, do_low, tl.trans(v), tl.trans(v_low), None, INPUT_PRECISION)
         if DROPOUT:
-            dp = tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), dp * dropout_scale, 0.0)
+            dp = dp * tl.where(kept(seed, row_calls, start_n, dropout_threshold, BLOCK_N), dropout_scale, 0.0)
         ds_high, ds_low = _split((p * (dp - delta[:, None])).to(k.dtype), INPUT_PRECISION)
         if TRANSPOSED_GRADS:  # dQᵀ += Kᵀ dSᵀ
             k_t, k_t_low = _split(tl.trans(k_whole), INPUT_PRECISION)
@@ -869,6 +875,8 @@ def attn_bwd(
         dk_desc = _rows_descriptor(DK, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, 1, VARLEN, first_k)
         dv_desc = _rows_descriptor(DV, batch, heads, seqlen_k, head_dim, BLOCK_N, BLOCK_D, 1, VARLEN, first_k)
         _store_tile(dk_desc, z, h, start, (dk * scale).to(k.dtype), BLOCK_N, BLOCK_D)
+        if DROPOUT:  # the kept probabilities' factor, left out of the loops
+            dv = dv * dropout_scale
         _store_tile(dv_desc, z, h, start, dv.to(v.dtype), BLOCK_N, BLOCK_D)
 
     if not ATOMIC_DQ and PHASE != "dkdv":
