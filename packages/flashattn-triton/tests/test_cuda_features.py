@@ -538,7 +538,7 @@ def test_every_tuned_config_with_dropout(dtype, head_dim):
     args = op_arguments(q, k, v, dropout_p=0.2, is_causal=True, scale=head_dim**-0.5)._replace(rng_state=rng)
     want = float64_torch_path(args, grad_out)
     drop = {"dropout_p": 0.2, "rng_state": rng}
-    forward = _configs.forward_candidates(head_dim, q.element_size(), False, dropout=True)
+    forward = _configs.forward_candidates(head_dim, q.element_size(), False)
     for config in _configs.with_split_key_tiles(forward, 1, 1 << 20, 1, 1):  # and each with split key tiles
         out, lse = triton_impl.triton_forward(q, k, v, True, head_dim**-0.5, config, **drop)
         assert_close({"out": out, "lse": lse}, want, dtype, ("out", "lse"))

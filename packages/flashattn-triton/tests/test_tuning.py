@@ -163,19 +163,6 @@ def test_hopper_backward_candidates_follow_the_default_with_the_head_dims_own():
         assert not any(c.hopper for c in candidates(dataclasses.replace(problem, hopper=False)))
 
 
-def test_dropout_forwards_also_try_the_dropout_candidates():
-    """A forward with dropout is offered every candidate of one without, the same default first, and more
-    (split key tiles of them too where a problem is small); a backward's candidates do not change."""
-    for batch_heads, head_dim in ((64, 64), (2, 64)):
-        plain = Problem("fwd", batch_heads, 4096, 4096, head_dim, torch.bfloat16, True, "tf32", 132)
-        listed, with_dropout = candidates(plain), candidates(dataclasses.replace(plain, dropout=True))
-        assert with_dropout[0] == listed[0] and set(listed) < set(with_dropout)
-        assert len(set(with_dropout)) == len(with_dropout)
-        assert plain.small == any(c.kv_splits > 1 for c in set(with_dropout) - set(listed))
-        backward = dataclasses.replace(plain, pass_name="bwd")
-        assert candidates(dataclasses.replace(backward, dropout=True)) == candidates(backward)
-
-
 def test_grouped_problems_are_offered_hopper_kernels_where_supported_and_tune_apart():
     """Grouped-query attention (K/V heads shared by a group of query heads) is offered the Gluon kernels
     where _hopper.supports says they take it (Problem.hopper), and keeps its tuned choice apart from

@@ -118,29 +118,15 @@ _BACKWARD = {
 }
 
 
-# Tried besides _FORWARD's under dropout (not yet timed), whose Philox work is integer arithmetic that more
-# warps an SM can overlap: at d = 64, 128/64/8/3 takes 128 registers, two programs of 8 warps an SM, where
-# 64/128/4/3 takes 209 (two of 4) and 64/64/4/3 128 (three of 4); 128/128/8/2 takes 231, one program of 8
-# (offline sm_90 compiles, decisions.md#dropout-bare-select).
-_DROPOUT_FORWARD = {(64, 2): [F(128, 64, 8, 3), F(128, 128, 8, 2)]}
-
-
 def _row(table: dict, block_d: int, element_size: int) -> list:
     # Head dims up to 64 (and float32's up to 32) share the candidates of the next size up. A copy: a
     # caller's list may grow (split key tiles, a test's variants) without changing the table.
     smallest = 64 if element_size == 2 else 32
-    return list(table.get((max(block_d, smallest), element_size), []))
+    return list(table[(max(block_d, smallest), element_size)])
 
 
-def forward_candidates(block_d: int, element_size: int, interpret: bool,
-                       dropout: bool = False) -> list[ForwardConfig]:  # fmt: skip
-    """The forward's candidates; with dropout, _DROPOUT_FORWARD's after the table's."""
-    if interpret:
-        return [INTERPRETER_FORWARD]
-    listed = _row(_FORWARD, block_d, element_size)
-    if dropout:
-        listed += [c for c in _row(_DROPOUT_FORWARD, block_d, element_size) if c not in listed]
-    return listed
+def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list[ForwardConfig]:
+    return [INTERPRETER_FORWARD] if interpret else _row(_FORWARD, block_d, element_size)
 
 
 # Key tiles split among programs (ForwardConfig.kv_splits) are tried where one program a query tile leaves

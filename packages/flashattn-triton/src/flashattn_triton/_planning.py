@@ -162,11 +162,8 @@ class Problem:
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
     """The configs problem's pass may run with, the default first. They depend on the problem through its
     size_key only (split key tiles are decided by the size class), so one tuned choice serves a class."""
-    if problem.pass_name == "fwd":
-        listed: list = forward_candidates(problem.block_d, problem.element_size, problem.interpret,
-                                          problem.dropout)  # fmt: skip
-    else:
-        listed = backward_candidates(problem.block_d, problem.element_size, problem.interpret)
+    table = forward_candidates if problem.pass_name == "fwd" else backward_candidates
+    listed: list = table(problem.block_d, problem.element_size, problem.interpret)
     seqlen_class = size_class(max(problem.seqlen_q, problem.seqlen_k))
     if problem.pass_name == "bwd" and (problem.small or problem.deterministic):
         # Host-bound problems skip the atomic dQ (see SMALL_PROBLEM_WORK); a deterministic backward must.
