@@ -28,15 +28,25 @@ class GroupSum:
     T, d) views sharing their strides, summed over each group of H / Hkv query heads into (Z, Hkv, T, d)
     views of any strides (unit along d), both in one launch of _kernels.group_sum. Its grid and every
     argument but the tensors are worked out once: a plan's key fixes all shapes and strides. tile_rows: the
-    rows of a program's tiles (default: TILE elements)."""
+    rows of a program's tiles (default: default_rows)."""
 
-    TILE = 4096  # elements of a program's tile of dK and of dV: 32 rows at d = 128, every load in flight
+    # A program's loads of dK (and as many of dV), all issued before the first add (its group's tiles), and
+    # its tile of the float32 sums: at most 64 KiB of 16-bit loads in flight and 32 KiB of sums, 42 to 112
+    # registers a thread on sm_90 (4 warps), no spills.
+    LOADS = 16384
+    TILE = 4096
+
+    @classmethod
+    def default_rows(cls, group: int, block_d: int) -> int:
+        """Rows of a program's tiles: the largest power of two within LOADS and TILE (16 rows at group 8
+        and d = 128, 64 at group 4 and d = 64, 32 at group 2 and d = 128)."""
+        return 1 << (max(1, min(cls.LOADS // group, cls.TILE) // block_d).bit_length() - 1)
 
     def __init__(self, per_head: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor], block_d: int,
                  tile_rows: int | None = None):  # fmt: skip
         batch, heads, seqlen, head_dim = per_head.shape
         kv_heads = sums[0].shape[1]
-        rows = tile_rows or self.TILE // block_d
+        rows = tile_rows or self.default_rows(heads // kv_heads, block_d)
         stride_z, stride_h, stride_t = per_head.stride()[:3]
         (stride_kz, stride_kh, stride_kt), (stride_vz, stride_vh, stride_vt) = (s.stride()[:3] for s in sums)
         self.args = dict(kv_heads=kv_heads, seqlen=seqlen, head_dim=head_dim, stride_z=stride_z,
