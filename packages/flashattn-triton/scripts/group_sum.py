@@ -36,7 +36,7 @@ def time_problem(batch: int, heads: int, kv_heads: int, seqlen: int, head_dim: i
             torch.sum(gradients.unflatten(1, (kv_heads, -1)), 2, out=out)
 
     sums = tuple(torch.empty_like(t) for t in want)
-    report("torch.sum x2", gpu_milliseconds(lambda: torch_sums(sums), 200))
+    report("torch.sum x2", gpu_milliseconds(lambda: torch_sums(sums), 100))
     default_rows = GroupSum.default_rows(heads // kv_heads, block_d(head_dim))
     for layout in ("bhtd", "bthd"):
         for rows in (default_rows // 2, default_rows, default_rows * 2):
@@ -44,7 +44,7 @@ def time_problem(batch: int, heads: int, kv_heads: int, seqlen: int, head_dim: i
             if layout == "bthd":
                 sums = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in sums)
             group_sum = GroupSum(per_head[0], sums, block_d(head_dim), rows)
-            ms = gpu_milliseconds(lambda g=group_sum, s=sums: g(per_head, s), 200)
+            ms = gpu_milliseconds(lambda g=group_sum, s=sums: g(per_head, s), 100)
             same = all(torch.equal(got, w) for got, w in zip(sums, want, strict=True))
             report(f"group_sum {layout} {rows} rows{'' if same else ' WRONG'}", ms)
 
