@@ -221,6 +221,43 @@ def test_preprocess_makes_d_and_clears_the_atomic_dq_sum(clears):
         assert torch.equal(dq_acc, torch.zeros_like(dq_acc))
 
 
+GROUP_SUM_CASES = {  # name: (batch, Hq, Hkv, T, d, block_d, tile_rows, dtype, layout of the sums)
+    "group2-contiguous": (2, 4, 2, 37, 32, 32, None, torch.float32, "bhtd"),
+    "group4-bthd-ragged-d": (2, 8, 2, 37, 20, 32, 16, torch.float32, "bthd"),
+    "group3-fused-one-tile": (1, 6, 2, 5, 16, 16, None, torch.float32, "fused"),
+    "group4-float16-bthd": (1, 4, 1, 23, 24, 32, 8, torch.float16, "bthd"),
+    "group2-bthd-k-contiguous-v": (2, 6, 3, 29, 16, 16, 8, torch.float32, "bthd-k"),
+}
+
+
+@pytest.mark.parametrize("case", GROUP_SUM_CASES)
+def test_group_sum_equals_torch_sum_over_each_group(case):
+    """_kernels.group_sum (through _plan.GroupSum): dK and dV of each query head summed over each group as
+    torch.sum sums them, into sums laid out as a model's K and V: contiguous, (B, T, H, d) memory (K's only,
+    or both), or views of a fused projection (B, T, Hq + 2 Hkv, d) whose other heads must stay untouched.
+    T not a multiple of the tile rows, d below the block."""
+    from flashattn_triton._plan import GroupSum
+
+    batch, q_heads, kv_heads, seqlen, head_dim, block_d, tile_rows, dtype, layout = GROUP_SUM_CASES[case]
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch, q_heads, seqlen, head_dim)
+    per_head = [torch.randn(shape, generator=generator).to(dtype) for _ in range(2)]
+    if layout == "fused":
+        memory = torch.full((batch, seqlen, q_heads + 2 * kv_heads, head_dim), float("nan"), dtype=dtype)
+        sums = memory[:, :, q_heads:].transpose(1, 2).split(kv_heads, 1)
+    else:
+        contiguous = torch.full((batch, kv_heads, seqlen, head_dim), float("nan"), dtype=dtype)
+        bthd = contiguous.transpose(1, 2).contiguous().transpose(1, 2)
+        sums = {"bhtd": (contiguous, contiguous.clone()), "bthd": (bthd, bthd.clone()),
+                "bthd-k": (bthd, contiguous)}[layout]  # fmt: skip
+    GroupSum(per_head[0], sums, block_d, tile_rows)(tuple(per_head), sums)
+    for got, gradients in zip(sums, per_head, strict=True):
+        want = gradients.unflatten(1, (kv_heads, -1)).sum(2)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if layout == "fused":
+        assert memory[:, :, :q_heads].isnan().all()
+
+
 def test_launchers_take_inputs_that_require_grad(problem):
     """Called outside autograd (tuning scripts, tools) on float32 inputs that require grad: the same
     results as on detached ones (the float32 path splits its inputs into TF32 parts first)."""

@@ -298,11 +298,14 @@ def lse_gradient(q: torch.Tensor) -> torch.Tensor:
     return torch.randn(q.shape[:-1], device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
 
 
-GQA_TUNED = {  # name: ((batch, Hq, Hkv, Tq, Tk, d), is_causal): lengths ragged against every tile
-    "causal-group4": ((2, 8, 2, 333, 333, 64), True),
-    "full-group4-tq<tk": ((2, 8, 2, 333, 400, 64), False),
-    "causal-group8-tq>tk": ((1, 8, 1, 400, 257, 128), True),
-    "full-group2-d96": ((1, 6, 3, 257, 520, 96), False),
+GQA_TUNED = {  # name: ((batch, Hq, Hkv, Tq, Tk, d), is_causal, layout): lengths ragged against every tile
+    "causal-group4": ((2, 8, 2, 333, 333, 64), True, "bhtd"),
+    "full-group4-tq<tk": ((2, 8, 2, 333, 400, 64), False, "bhtd"),
+    "causal-group8-tq>tk": ((1, 8, 1, 400, 257, 128), True, "bhtd"),
+    "full-group2-d96": ((1, 6, 3, 257, 520, 96), False, "bhtd"),
+    # dK and dV summed into (B, T, H, d) memory: a model's transposed and fused projections
+    "causal-group4-bthd-tq<tk": ((2, 8, 2, 333, 400, 64), True, "bthd"),
+    "full-group8-fused-d128": ((2, 16, 2, 333, 333, 128), False, "fused"),
 }
 
 
@@ -313,17 +316,17 @@ def test_gqa_without_mask_or_band_on_the_tuned_kernels_matches_sdpa(monkeypatch,
     """flash_attention's grouped-query attention, which the tuned kernels take (K/V heads read in place, dK
     and dV per query head summed over each group), with a gradient through lse too: on the small-problem
     path with descriptors from the host and, as on GPUs before Hopper, from the kernels; and on the
-    large-problem path (atomic dQ candidates)."""
+    large-problem path (atomic dQ candidates). Inputs contiguous or in a model's layouts (in_layout)."""
     no_feature_kernels(monkeypatch)
     monkeypatch.setattr(triton_impl, "_plans", {})
     if path == "small-kernel-built":
         monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     if path == "large":
         monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
-    shape, is_causal = GQA_TUNED[case]
+    shape, is_causal, layout = GQA_TUNED[case]
     q, k, v, grad_out = qkv(*shape, dtype)
     grad_lse = lse_gradient(q)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().requires_grad_() for t in in_layout(layout, q, k, v)]
     out, lse = flash_attention(*leaves, is_causal=is_causal, enable_gqa=True, return_lse=True)
     torch.autograd.backward([out, lse], [grad_out, grad_lse])
     got = dict(zip(NAMES, (out.detach(), lse, *[t.grad for t in leaves]), strict=True))
@@ -420,16 +423,17 @@ def test_bands_route_to_the_tuned_kernels_only_where_they_apply(monkeypatch):
 
 def in_layout(layout: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(B, H, T, d) q, k, v as a model hands them over: 'bhtd' contiguous; 'bthd' views of (B, T, H, d)
-    memory (proj(x).view(B, T, H, d).transpose(1, 2)); 'fused' views of one (B, T, 3, H, d) projection;
-    'roped' as a model whose rotary embedding makes new q and k but leaves v a fused projection's view."""
+    memory (proj(x).view(B, T, H, d).transpose(1, 2)); 'fused' views of one (B, T, Hq + 2 Hkv, d) projection
+    (Tq = Tk); 'roped' as a model whose rotary embedding makes new q and k but leaves v a fused projection's
+    view."""
     if layout == "bhtd":
         return q, k, v
     if layout == "roped":
         return q, k, in_layout("fused", q, k, v)[2]
     if layout == "bthd":
         return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    fused = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2)  # (B, T, 3, H, d)
-    return fused.permute(2, 0, 3, 1, 4).unbind()
+    fused = torch.cat([t.transpose(1, 2) for t in (q, k, v)], dim=2)  # (B, T, Hq + 2 Hkv, d)
+    return tuple(t.transpose(1, 2) for t in fused.split([q.shape[1], k.shape[1], v.shape[1]], dim=2))
 
 
 GLUON_CASES = {  # name: (batch, Hq, Hkv, T, d), layout, is_causal, window_size

@@ -1,5 +1,5 @@
 """The Triton kernels: FlashAttention-2 forward (and the combine of its split form), the backward's
-D = rowsum(dO * O), and the backward.
+D = rowsum(dO * O), the backward, and grouped-query attention's sums of dK and dV over each group.
 
 Tiles move through tensor descriptors over (Z, H, T, d) views: on Hopper and later they are TMA
 copies, which hold no addresses in registers and zero-fill (or, for stores, clip) whatever lies
@@ -29,8 +29,8 @@ Grouped-query attention: K and V have heads // group heads, and query head h rea
 group is a runtime integer: Triton specializes an argument of 1 as a constant, so attention with as many
 K/V heads as query heads compiles to the kernels it had before. The forward reads K and V in place. The
 backward keeps one program per (tile, query head), its work balanced as without groups, and writes dK and
-dV per query head into (Z, H, Tk, d) tensors (FlashAttention-2's "expanded" gradients), which the host sums
-over each group: no atomics, and no program walks a whole group's rows.
+dV per query head into (Z, H, Tk, d) tensors (FlashAttention-2's "expanded" gradients), which group_sum then
+sums over each group: no atomics, and no program walks a whole group's rows.
 
 Segments: a key tile is either fully visible to a query tile (no mask computed at all) or it needs
 a mask (the causal diagonal, or the ragged end of the keys). Each loop runs the unmasked tiles first
@@ -559,6 +559,38 @@ def attn_bwd_preprocess(
         do = tl.load(DO + z * stride_dz + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=mask)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def group_sum(
+    DK, DV, DK_SUM, DV_SUM, kv_heads, seqlen, head_dim, stride_z, stride_h, stride_t, stride_kz, stride_kh,
+    stride_kt, stride_vz, stride_vh, stride_vt, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grouped-query attention's dK and dV from the backward's per-query-head gradients: DK_SUM[z, j] =
+    sum_g DK[z, j * GROUP + g] over the GROUP query heads that read K/V head j (and DV_SUM from DV), summed
+    in float32 and rounded once (as torch.sum of 16-bit values). DK and DV (Z, H, T, d) share their strides;
+    DK_SUM and DV_SUM (Z, H / GROUP, T, d) have their own (a model's (B, T, H, d) memory); unit stride along
+    d throughout. Both sums in one program, every load issued before the stores. Grid: (row tiles * Z *
+    H / GROUP,)."""
+    num_tiles = tl.cdiv(seqlen, BLOCK_T)
+    pid = tl.program_id(0)
+    zj = pid // num_tiles
+    z = (zj // kv_heads).to(tl.int64)
+    j = (zj % kv_heads).to(tl.int64)
+    rows = ((pid % num_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < seqlen) & (cols < head_dim)
+    first_head = z * stride_z + j * GROUP * stride_h + rows * stride_t + cols
+    dk = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for g in tl.static_range(GROUP):
+        dk += tl.load(DK + first_head + g * stride_h, mask=mask).to(tl.float32)
+        dv += tl.load(DV + first_head + g * stride_h, mask=mask).to(tl.float32)
+    dk_rows = z * stride_kz + j * stride_kh + rows * stride_kt + cols
+    dv_rows = z * stride_vz + j * stride_vh + rows * stride_vt + cols
+    tl.store(DK_SUM + dk_rows, dk.to(DK_SUM.dtype.element_ty), mask=mask)
+    tl.store(DV_SUM + dv_rows, dv.to(DV_SUM.dtype.element_ty), mask=mask)
 
 
 @triton.jit

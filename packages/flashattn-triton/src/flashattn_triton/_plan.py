@@ -23,6 +23,47 @@ from flashattn_triton._tuning import TUNING
 Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
+class GroupSum:
+    """Grouped-query attention's dK and dV of one layout: the backward's gradients of each query head, (Z, H,
+    T, d) views sharing their strides, summed over each group of H / Hkv query heads into (Z, Hkv, T, d)
+    views of any strides (unit along d), both in one launch of _kernels.group_sum. Its grid and every
+    argument but the tensors are worked out once: a plan's key fixes all shapes and strides. tile_rows: the
+    rows of a program's tiles (default: default_rows)."""
+
+    # A program's loads of dK (and as many of dV), all issued before the first add (its group's tiles), and
+    # its tile of the float32 sums: at most 64 KiB of 16-bit loads in flight and 32 KiB of sums, 42 to 112
+    # registers a thread on sm_90 (4 warps), no spills.
+    LOADS = 16384
+    TILE = 4096
+
+    @classmethod
+    def default_rows(cls, group: int, block_d: int) -> int:
+        """Rows of a program's tiles: the largest power of two within LOADS and TILE (16 rows at group 8
+        and d = 128, 64 at group 4 and d = 64, 32 at group 2 and d = 128)."""
+        return 1 << (max(1, min(cls.LOADS // group, cls.TILE) // block_d).bit_length() - 1)
+
+    def __init__(self, per_head: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor], block_d: int,
+                 tile_rows: int | None = None):  # fmt: skip
+        batch, heads, seqlen, head_dim = per_head.shape
+        kv_heads = sums[0].shape[1]
+        rows = tile_rows or self.default_rows(heads // kv_heads, block_d)
+        stride_z, stride_h, stride_t = per_head.stride()[:3]
+        (stride_kz, stride_kh, stride_kt), (stride_vz, stride_vh, stride_vt) = (s.stride()[:3] for s in sums)
+        self.args = dict(kv_heads=kv_heads, seqlen=seqlen, head_dim=head_dim, stride_z=stride_z,
+                         stride_h=stride_h, stride_t=stride_t, stride_kz=stride_kz, stride_kh=stride_kh,
+                         stride_kt=stride_kt, stride_vz=stride_vz, stride_vh=stride_vh, stride_vt=stride_vt,
+                         GROUP=heads // kv_heads, BLOCK_T=rows, BLOCK_D=block_d)  # fmt: skip
+        grid = (-(-seqlen // rows) * batch * kv_heads,)
+        self.launch = _launcher.Launcher(_launcher.kernels().group_sum, grid)
+
+    def __call__(self, per_head: tuple[torch.Tensor, torch.Tensor], sums: tuple[torch.Tensor, torch.Tensor],
+                 ) -> None:  # fmt: skip
+        """sums (dK, dV) = each group's sum of per_head (dK, dV)."""
+        dk, dv = per_head
+        dk_sum, dv_sum = sums
+        self.launch({"DK": dk, "DV": dv, "DK_SUM": dk_sum, "DV_SUM": dv_sum, **self.args})
+
+
 @dataclasses.dataclass
 class Plan:
     """How one problem layout runs: the descriptor mode, the problem and its candidate configs, the config
@@ -41,6 +82,7 @@ class Plan:
     launch: Launcher | LaunchPair | None = None
     preprocess: dict[bool, Launcher] = dataclasses.field(default_factory=dict)  # by whether it zeroes dQ
     splits: dict[tuple[int, bool], _inputs.TF32Split] = dataclasses.field(default_factory=dict)
+    group_sum: GroupSum | None = None  # grouped-query attention's sums of dK and dV (the first backward's)
     delta_from_o: bool = False  # the backward computes D = rowsum(dO * O) in its kernel
     # The kernels' mask and dropout arguments that the key fixes (CAUSAL, the band's, dropout's threshold
     # and scale): made once, not on every call; a call adds its Rng.

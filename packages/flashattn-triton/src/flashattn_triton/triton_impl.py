@@ -25,7 +25,7 @@ from flashattn_triton._dropout import check_rng, kept_scale, threshold
 from flashattn_triton._inputs import check_device, check_head_dim
 from flashattn_triton._launcher import Launcher, LaunchPair, tiles
 from flashattn_triton._packed import Packed, plan_parts
-from flashattn_triton._plan import Plan
+from flashattn_triton._plan import GroupSum, Plan
 from flashattn_triton._planning import (
     Band,
     Problem,
@@ -219,7 +219,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
     problem is small), then dK/dV and dQ in one launch (two for a split config); with fewer K/V heads than
-    query heads (grouped-query attention), dK and dV per query head, summed over each group after.
+    query heads (grouped-query attention), dK and dV per query head, summed over each group after (one
+    launch of group_sum for both).
     grad_lse, the gradient of L where it is used too, is subtracted from D (dS = P (dP - D + dL));
     deterministic leaves out the atomic dQ. forward_plan: the plan of the forward that made out and lse
     from these q, k, v, which keeps this backward's plan for the layout of grad_out. share_allocation: dQ,
@@ -249,8 +250,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         grads = tuple(_inputs.output_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = plan.outputs(grads)
     if group > 1:  # dK and dV of each query head until summed over the groups into dk4 and dv4
-        sums = dk4, dv4
-        dk4, dv4 = (t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in sums)
+        grouped = dk4, dv4
+        dk4, dv4 = (t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in grouped)
     # L, D and the atomic variant's float32 dQ sum by rows, (runs, H, rows, ...): a run for each batch
     # element, or one for all packed sequences (O and dO as (1, H, total_q, d)). The sum is zeroed before
     # each run (by the preprocess where there is one), padded to whole tiles of up to 128 rows so that its
@@ -332,12 +333,16 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
     with _launcher.device_guard(q):
         used = plan.run(launcher, args, q.device, preprocess if delta is not None else None)
+        if group > 1:  # each group's sum, in one launch
+            per_head, sums = (dk4, dv4), grouped
+            if packed is not None:  # (total_k, H, d) as (1, H, total_k, d)
+                per_head, sums = (tuple(t.transpose(0, 1)[None] for t in pair) for pair in (per_head, sums))
+            if plan.group_sum is None:
+                plan.group_sum = GroupSum(per_head[0], sums, block_d)
+            plan.group_sum(per_head, sums)
+            dk4, dv4 = grouped
     if used.atomic_dq:
         dq_rows.copy_(dq_acc[:, :, :rows, :head_dim])
-    if group > 1:  # each group's sum (torch sums 16-bit values in float32 and rounds once)
-        for per_head, out_sum in zip((dk4, dv4), sums, strict=True):
-            torch.sum(per_head.unflatten(1, (-1, group)), 2, out=out_sum)
-        dk4, dv4 = sums
     if plan.as_is:
         return grads
     return tuple(_inputs.copy_back(g, g4) for g, g4 in zip(grads, (dq4, dk4, dv4), strict=True))
