@@ -1,8 +1,8 @@
 """GPU time of grouped-query attention's sums of dK and dV over each group (the end of the backward): the
 two torch.sum reductions the backward ran before, against one launch of _kernels.group_sum (_plan.GroupSum)
 at its default tile rows and at half and twice as many, into contiguous sums and into a model's (B, T, H, d)
-memory. bf16, issue 20's problems; each result compared bitwise with torch.sum's, and both with the float64 sum
-rounded once (float32 sums in another order may round an ulp apart).
+memory. bf16, issue 20's problems; each result compared bitwise with torch.sum's, and both with the float64
+sum rounded once (float32 sums in another order may round an ulp apart).
 
     PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/group_sum.py
 
