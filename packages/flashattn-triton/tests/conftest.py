@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_triton
-from flashattn_triton import _inputs, reference_attention, reference_logsumexp
+from flashattn_triton import _configs, _inputs, reference_attention, reference_logsumexp, triton_impl
 
 # Floors of the (relative Frobenius error, max error relative to max |reference|) allowed per dtype for
 # O, L and each gradient; typical: float32 ~5e-7, float16 ~1e-3, bfloat16 ~1e-2 (max-norm, d = 128).
@@ -172,6 +172,30 @@ def in_place_outputs(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(_inputs, "kernel_output", recording)
     return in_place
+
+
+# SM counts a persistent Gluon backward is also run with, so that a test problem's few work items make
+# several a program: one program (every item in turn) and 5 (a last round that leaves programs out).
+FEW_SMS = (1, 5)
+
+
+@pytest.fixture
+def hopper_backwards(monkeypatch):
+    """hopper_backwards(head_dim) yields the Gluon backward's candidates for head_dim, each persistent one
+    again with the plans made for FEW_SMS streaming multiprocessors (_sm_count patched, plans forgotten),
+    one at a time; the GPU's own count is restored after."""
+
+    def configs(head_dim: int):
+        for config in _configs.hopper_candidates("bwd", head_dim):
+            for sm_count in (None, *FEW_SMS) if config.persistent else (None,):
+                with monkeypatch.context() as patch:
+                    if sm_count is not None:
+                        patch.setattr(triton_impl, "_sm_count", lambda device, n=sm_count: n)
+                        patch.setattr(triton_impl, "_plans", {})
+                    yield config
+            monkeypatch.setattr(triton_impl, "_plans", {})
+
+    return configs
 
 
 @pytest.fixture
