@@ -227,6 +227,12 @@ def step(
     out of the loop, the 16 descriptors held 32 registers and the kernel spilled (at 64-row steps d = 128
     spills and serializes its wgmmas anyway: S, dP, dK and dV leave too few registers)."""
     TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
+    zero = step_zero(g)
+    made_here = kb + zero  # buffer kb, its wgmma descriptors made in the step
+    if k_bufs.shape[0] > 1:
+        # kb varies between items: the descriptors of K and V, hoisted out of the loops, held registers
+        # enough to spill (112 bytes with a window at d = 64)
+        kb = made_here
     k_smem = k_bufs.index(kb)
     v_smem = v_bufs.index(kb)
     ds_smem = ds_one.index(0)
@@ -271,8 +277,7 @@ def step(
     fence_async_shared()
     gl.thread_barrier()
     if TRANSPOSED_DQ:
-        zero = step_zero(g)
-        dq = warpgroup_mma(k_bufs.index(kb + zero).permute((1, 0)), ds_one.index(zero),
+        dq = warpgroup_mma(k_bufs.index(made_here).permute((1, 0)), ds_one.index(zero),
                            gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
     else:
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
