@@ -182,18 +182,17 @@ FEW_SMS = (1, 5)
 @pytest.fixture
 def hopper_backwards(monkeypatch):
     """hopper_backwards(head_dim) yields the Gluon backward's candidates for head_dim, each persistent one
-    again with the plans made for FEW_SMS streaming multiprocessors (_sm_count patched, plans forgotten),
-    one at a time; the GPU's own count is restored after."""
+    again with plans made for FEW_SMS streaming multiprocessors (_sm_count patched, in a plan cache of
+    its own), one at a time (through monkeypatch: undone after the test, however it ends)."""
 
     def configs(head_dim: int):
+        own_count, own_plans = triton_impl._sm_count, triton_impl._plans  # (the test's, when it asks)
         for config in _configs.hopper_candidates("bwd", head_dim):
             for sm_count in (None, *FEW_SMS) if config.persistent else (None,):
-                with monkeypatch.context() as patch:
-                    if sm_count is not None:
-                        patch.setattr(triton_impl, "_sm_count", lambda device, n=sm_count: n)
-                        patch.setattr(triton_impl, "_plans", {})
-                    yield config
-            monkeypatch.setattr(triton_impl, "_plans", {})
+                few = (lambda device, n=sm_count: n) if sm_count is not None else None
+                monkeypatch.setattr(triton_impl, "_sm_count", few or own_count)
+                monkeypatch.setattr(triton_impl, "_plans", {} if few else own_plans)
+                yield config
 
     return configs
 
