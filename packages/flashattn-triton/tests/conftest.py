@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_triton
-from flashattn_triton import _inputs, reference_attention, reference_logsumexp
+from flashattn_triton import _configs, _inputs, reference_attention, reference_logsumexp, triton_impl
 
 # Floors of the (relative Frobenius error, max error relative to max |reference|) allowed per dtype for
 # O, L and each gradient; typical: float32 ~5e-7, float16 ~1e-3, bfloat16 ~1e-2 (max-norm, d = 128).
@@ -172,6 +172,29 @@ def in_place_outputs(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(_inputs, "kernel_output", recording)
     return in_place
+
+
+# SM counts a persistent Gluon backward is also run with, so that a test problem's few work items make
+# several a program: one program (every item in turn) and 5 (a last round that leaves programs out).
+FEW_SMS = (1, 5)
+
+
+@pytest.fixture
+def hopper_backwards(monkeypatch):
+    """hopper_backwards(head_dim) yields the Gluon backward's candidates for head_dim, each persistent one
+    again with plans made for FEW_SMS streaming multiprocessors (_sm_count patched, in a plan cache of
+    its own), one at a time (through monkeypatch: undone after the test, however it ends)."""
+
+    def configs(head_dim: int):
+        own_count, own_plans = triton_impl._sm_count, triton_impl._plans  # (the test's, when it asks)
+        for config in _configs.hopper_candidates("bwd", head_dim):
+            for sm_count in (None, *FEW_SMS) if config.persistent else (None,):
+                few = (lambda device, n=sm_count: n) if sm_count is not None else None
+                monkeypatch.setattr(triton_impl, "_sm_count", few or own_count)
+                monkeypatch.setattr(triton_impl, "_plans", {} if few else own_plans)
+                yield config
+
+    return configs
 
 
 @pytest.fixture

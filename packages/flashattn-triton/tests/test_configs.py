@@ -22,6 +22,8 @@ def test_hopper_config_must_fit_the_kernel():
         BackwardConfig(64, 128, 8, 2, hopper=True)
     with pytest.raises(ValueError, match="num_stages >= 2"):
         BackwardConfig(64, 128, 8, 1, atomic_dq=True, hopper=True)
+    with pytest.raises(ValueError, match="hopper=True"):
+        BackwardConfig(64, 128, 8, 2, atomic_dq=True, persistent=True)
 
 
 def test_hopper_forward_config_must_fit_the_kernel():
@@ -44,6 +46,7 @@ def test_described_configs_name_the_hopper_kernel():
     assert _planning.describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
     assert _planning.describe(HOPPER_BACKWARD[64][0]) == "64/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
+    assert _planning.describe(HOPPER_BACKWARD[64][1]) == "64/128/8/4/1/168 hopper persistent"
     assert _planning.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
     config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
     assert _planning.describe(config) == "16/64/4/3/0 transposed_grads split"

@@ -463,11 +463,12 @@ needs_hopper_gluon = pytest.mark.skipif(
 @needs_hopper_gluon
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", GLUON_CASES)
-def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, case, dtype):
+def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, hopper_backwards, case, dtype):
     """The Gluon kernels, named (a config they refuse raises), on grouped-query attention, the (B, T, H, d)
     memory of a model's transposed and fused projections (outputs and gradients in place, in that layout)
-    and causal sliding windows: float64's values. The outputs' memory starts as NaN, so a tile a kernel
-    fails to write shows."""
+    and causal sliding windows: float64's values; every backward candidate, the persistent ones also in
+    few programs of several work items each. The outputs' memory starts as NaN, so a tile a kernel fails
+    to write shows."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     monkeypatch.setattr(triton_impl, "_plans", {})
     (batch, q_heads, kv_heads, seqlen, head_dim), layout, is_causal, window = GLUON_CASES[case]
@@ -478,17 +479,18 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ca
     want = float64_torch_path(args, grad_out)
     gluon = {pass_name: head_dim in _hopper.HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
     forward = _configs.HOPPER_FORWARD[0] if gluon["fwd"] else None
-    backward = _configs.hopper_candidates("bwd", head_dim)[0] if gluon["bwd"] else None
     torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations' memory)
     out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)
-    grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, args.scale, backward,
-                                        window=window)  # fmt: skip
     assert out.stride() == _inputs.output_like(q).stride()
-    assert [g.stride() for g in grads] == [_inputs.output_like(t).stride() for t in (q, k, v)]
-    assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)
-    if forward is not None and backward is not None:
-        offered = [plan.problem.uses_hopper for plan in triton_impl._plans.values()]
-        assert offered and all(offered)
+    for backward in hopper_backwards(head_dim) if gluon["bwd"] else [None]:
+        torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))
+        grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, args.scale, backward,
+                                            window=window)  # fmt: skip
+        assert [g.stride() for g in grads] == [_inputs.output_like(t).stride() for t in (q, k, v)]
+        assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)
+        if forward is not None and backward is not None:
+            offered = [plan.problem.uses_hopper for plan in triton_impl._plans.values()]
+            assert offered and all(offered)
 
 
 TUNED_DROPOUT_CASES = {  # name: (batch, Hq, Hkv, Tq, Tk, d), is_causal, large-problem path, window_size

@@ -65,6 +65,9 @@ class BackwardConfig:
     split: bool = False
     dq_block_m: int | None = None
     dq_stages: int | None = None
+    # The Gluon kernel in persistent programs (one an SM) that each run several key tiles one after
+    # another, the next one's loads overlapping the current one's last steps and dK/dV stores.
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
@@ -80,6 +83,8 @@ class BackwardConfig:
         if self.hopper and not fits_hopper:
             raise ValueError(f"{self}: the Hopper kernel adds dQ atomically (atomic_dq=True), gives each "
                              "warp 16 keys (num_warps = block_n / 16) and needs num_stages >= 2")
+        if self.persistent and not self.hopper:
+            raise ValueError(f"{self}: persistent programs are the Gluon kernel's (hopper=True)")
         if self.atomic_dq and (self.transposed_grads or self.split):
             raise ValueError(f"{self}: transposed_grads and split change the dQ phase, which atomic_dq skips")
 
@@ -153,12 +158,16 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 # _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
 # cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
 # backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
-# time, the most that compile without spills (decisions.md#gluon-backward-128).
+# time, the most that compile without spills (decisions.md#gluon-backward-128). Each also in persistent
+# programs (K and V double-buffered: 182 KB of shared memory at d = 64, 206 KB at d = 128 with 2 stages;
+# decisions.md#gluon-backward-persistent).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
 HOPPER_BACKWARD = {
-    64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)],
+    64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
+         B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
     128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
-          B(32, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True)],
+          B(32, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True),
+          B(32, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
 }
 
 
@@ -179,7 +188,8 @@ def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardC
     Hopper kernel steps down to the Triton-language kernel: its ring needs two stages; a split backward's
     dQ launch first takes the dK/dV launch's steps and stages)."""
     if config.hopper:
-        return replace(config, hopper=False, max_registers=None)
+        persistent = {"persistent": False} if isinstance(config, BackwardConfig) else {}
+        return replace(config, hopper=False, max_registers=None, **persistent)
     if getattr(config, "dq_block_m", None) or getattr(config, "dq_stages", None):
         return replace(config, dq_block_m=None, dq_stages=None)
     if config.num_stages > 1:

@@ -168,17 +168,26 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
-                  scale: float, mask_args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+                  scale: float, mask_args: dict[str, Any],
+                  persistent: bool = False) -> dict[str, Any]:  # fmt: skip
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
-    (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors."""
+    (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors. persistent: programs that run several
+    work items (backward_programs) double-buffer K and V, so that the next item's load overlaps the
+    current one's last steps."""
     kernels = _gluon()
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "do": matrix(grad_out, block_m), "dk": matrix(dk, block_n), "dv": matrix(dv, block_n)}
     return dict(**_descriptor_args(descriptors), **_head_args(q, k), dq_desc=matrix(dq_acc, block_m)[0],
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
                 dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
-                scale=scale, STAGES=stages, LOADER_REGS=LOADER_REGISTERS,
+                scale=scale, STAGES=stages, PERSISTENT=persistent, LOADER_REGS=LOADER_REGISTERS,
                 **_band_args(is_causal, mask_args))  # fmt: skip
+
+
+def backward_programs(work_items: int, persistent: bool, sm_count: int) -> int:
+    """attn_bwd's grid: a program a work item (a key tile of a head), or with persistent one program an SM
+    (its shared memory holds one), each running its share of the items (_hopper_kernels.program_item)."""
+    return min(work_items, sm_count) if persistent else work_items
 
 
 def _head_args(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

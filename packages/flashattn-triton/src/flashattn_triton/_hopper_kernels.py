@@ -86,214 +86,30 @@ def visible(x, queries, keys, window_left, fill, DIAG: gl.constexpr, EDGE: gl.co
 
 
 @gluon.jit
-def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, q_row, q_col, do_row,
-              do_col, l_row, j, STAGES: gl.constexpr):  # fmt: skip
-    """Q, dO, L and D of step j (BLOCK_M rows from each row given) into ring stage j % STAGES; all four
-    complete on that stage's `ready` barrier (one arrival plus the transaction bytes)."""
-    s = j % STAGES
-    bar = ready.index(s)
-    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
-                            + dl_desc.block_type.nbytes)  # fmt: skip
-    mbarrier.expect(bar, nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], bar, q_ring.index(s))
-    tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_ring.index(s))
-    tma.async_copy_global_to_shared(l_desc, [l_row], bar, l_ring.index(s))
-    tma.async_copy_global_to_shared(dl_desc, [l_row], bar, dl_ring.index(s))
+def program_items(total, programs, pid):
+    """How many of the `total` work items program pid of `programs` runs (program_item's k < this)."""
+    rounds = total // programs
+    return rounds + (program_item(rounds, programs, pid) < total).to(gl.int32)
 
 
 @gluon.jit
-def loader(
-    q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem, v_smem, ready,
-    empty, kv_bar, q_row, q_col, do_row, do_col, k_row, k_col, v_row, v_col, bh_row, lo, n,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-):  # fmt: skip
-    """The loader partition: this program's K and V tiles once (from (k_row, k_col), (v_row, v_col)), then
-    the query tiles from the head's row lo on (the head's rows start at (q_row, q_col) and (do_row, do_col),
-    and at bh_row of L and D). Step j reuses stage j % STAGES once the consumers released step j - STAGES
-    on `empty` (its (j // STAGES)-th completion: parity ((j // STAGES) & 1) ^ 1, which a fresh barrier
-    passes at once for j < STAGES)."""
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, k_col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [v_row, v_col], kv_bar, v_smem)
-    for j in range(n):
-        mbarrier.wait(empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
-        row = lo + j * BLOCK_M
-        load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, q_row + row,
-                  q_col, do_row + row, do_col, bh_row + row, j, STAGES)  # fmt: skip
+def program_item(k, programs, pid):
+    """Program pid's k-th work item: round k of the grid's order (heaviest first), walked forward in even
+    rounds and backward in odd ones. Causal items shrink along the order, so a program with a heavy item
+    in one round gets a light one in the next (in order every round, program 0 would take the heaviest
+    of each). With one program an item (`programs` = total) it is pid."""
+    return gl.where(k % 2 == 0, k * programs + pid, (k + 1) * programs - 1 - pid)
 
 
 @gluon.jit
-def step(
-    i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
-    dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
-):  # fmt: skip
-    """One query tile of the consumer warpgroups, masked as visible's DIAG and EDGE say; returns dK and dV
-    (dK still in flight). K and dS^T: buffers of one (k_one, ds_one).
-
-    Where d = BLOCK_N (d = 128 at 8 warps), dQ is computed transposed, dQ^T = K^T dS^T: its d rows split
-    over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
-    is below wgmma's 64 rows a warpgroup). Its operands come from K and dS^T indexed with step_zero: hoisted
-    out of the loop, the 16 descriptors held 32 registers and the kernel spilled (at 64-row steps d = 128
-    spills and serializes its wgmmas anyway: S, dP, dK and dV leave too few registers)."""
-    TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
-    k_smem = k_one.index(0)
-    ds_smem = ds_one.index(0)
-    s = i % STAGES
-    m0 = lo + i * BLOCK_M
-    dtype: gl.constexpr = k_smem.dtype
-    # Stage s completes once every STAGES steps: wait for parity (i // STAGES) & 1.
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    q_s = q_ring.index(s)
-    do_s = do_ring.index(s)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    columns: gl.constexpr = gl.SliceLayout(0, s_layout)
-    l2 = l_ring.index(s).load(columns) * _LOG2E
-    delta = dl_ring.index(s).load(columns)
-    # In flight, oldest first: dK(i-1), S(i), dP(i). Down to one retires dK(i-1), the last reader of
-    # Q(i-1) (dV(i-1), the last reader of dO(i-1), retired in step i-1), and S(i).
-    s_t = warpgroup_mma_wait(num_outstanding=1, deps=[s_t])
-    # The dQ reduction of step i-2 must have read dq_ring[i % 2] before it is overwritten below.
-    tma.store_wait(pendings=1)
-    # Every consumer warp is past both waits: stage (i-1) % STAGES and the dQ buffer are free. One
-    # arrival hands the stage back to the loader (none at i = 0).
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-
-    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    queries = m0 + gl.arange(0, BLOCK_M, layout=columns)
-    p_t = visible(p_t, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), window_left, 0.0, DIAG, EDGE)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
-    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-    dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[dp_t])
-    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-
-    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-    # dS^T to shared memory for the dQ product (its last reader, dQ(i-1), retired in step i-1). Writes
-    # by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    gl.thread_barrier()
-    if TRANSPOSED_DQ:
-        zero = step_zero(i)
-        dq = warpgroup_mma(k_one.index(zero).permute((1, 0)), ds_one.index(zero),
-                           gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
-    else:
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
-                           q_layout), use_acc=False, is_async=True)  # fmt: skip
-    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-    # In flight: dV(i), dQ(i), dK(i). Down to one retires dV(i) and dQ(i); dK(i) runs on.
-    dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
-    # The dQ share through shared memory (fp32) to a TMA reduce-add: fence, barrier, one issue.
-    dq_buf = dq_ring.index(i % 2)
-    if TRANSPOSED_DQ:
-        dq_buf = dq_buf.permute((1, 0))
-    dq_buf.store(dq * scale)
-    fence_async_shared()
-    gl.thread_barrier()
-    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_ring.index(i % 2))
-    return dk, dv
-
-
-@gluon.jit
-def consumer(
-    k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_bar, dq_desc,
-    dk_desc, dv_desc, dk_row, dk_col, dv_row, dv_col, bh_row, key0, lo, n, edge, qk_scale, scale, window_left,
-    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr,
-):  # fmt: skip
-    """The compute partition: the diagonal steps masked (under causal; else step 0 alone, unmasked), up
-    to two unrolled and the rest in a loop, then the steps that see every key in a loop, then (a window's)
-    those from step `edge` on that lose keys at its far edge, then dK and dV out through TMA (at (dk_row,
-    dk_col), (dv_row, dv_col); K's buffer of one, k_one, stages dK). Peeling step 0 keeps ptxas from
-    serializing every wgmma: a loop that may run zero times would feed zero-initialised accumulators into
-    the epilogue's wait. Four unrolled diagonal steps (32-row steps) spilled at d = 128."""
-    FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
-    UNROLLED: gl.constexpr = FIRST if FIRST <= 2 else 1
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
-    mbarrier.wait(kv_bar, 0)
-    for i in gl.static_range(UNROLLED):
-        dk, dv = step(
-            i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-            empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
-            BLOCK_D, s_layout, d_layout, q_layout,
-        )  # fmt: skip
-    for i in range(UNROLLED, FIRST):
-        dk, dv = step(
-            i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-            empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
-            BLOCK_D, s_layout, d_layout, q_layout,
-        )  # fmt: skip
-    for i in range(FIRST, edge):
-        dk, dv = step(
-            i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-            empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M, BLOCK_N,
-            BLOCK_D, s_layout, d_layout, q_layout,
-        )  # fmt: skip
-    if WINDOW:
-        for i in range(edge, n):
-            dk, dv = step(
-                i, lo, key0, bh_row, k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-                ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True, STAGES, BLOCK_M,
-                BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
-            )  # fmt: skip
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
-    # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
-    tma.store_wait(pendings=0)
-    gl.thread_barrier()
-    k_smem = k_one.index(0)
-    k_smem.store((dk * scale).to(k_smem.dtype))
-    v_smem.store(dv.to(v_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(dk_desc, [dk_row, dk_col], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [dv_row, dv_col], v_smem)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def attn_bwd(
-    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, q_zr, q_hr, q_hc, k_zr, k_hr,
-    k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
-    qk_scale, scale, window_left,
-    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, LOADER_REGS: gl.constexpr,
-):  # fmt: skip
-    """Grid: (T / BLOCK_N * Z * H,), heaviest first (key tile 0 of every head, then tile 1, ...). Head
-    (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr, _hc:
-    _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h go
-    to head h of dk_desc and dv_desc (per query head: the caller sums each group's). dq_desc: a float32
-    (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,). WINDOW (with CAUSAL): a query also sees no key
-    more than window_left before it."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
-    gl.static_assert(BLOCK_N % BLOCK_M == 0)
-    gl.static_assert(BLOCK_D == BLOCK_N or BLOCK_M == 64, "dQ = dS K takes 64-row steps (a warpgroup's)")
-    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
-    d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
-    q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
-
-    pid = gl.program_id(0)
-    tile = pid // ZH
-    bh = pid % ZH
-    z = bh // H
-    h = bh % H
-    key0 = tile * BLOCK_N
-    bh_row = bh * T  # this head's first row of L, D and dQ's sum
-    q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
-    do_row, do_col = head_start(z, h, do_zr, do_hr, do_hc)
-    k_row, k_col = head_start(z, h // group, k_zr, k_hr, k_hc)
-    v_row, v_col = head_start(z, h // group, v_zr, v_hr, v_hc)
-    dk_row, dk_col = head_start(z, h, dk_zr, dk_hr, dk_hc)
-    dv_row, dv_col = head_start(z, h, dv_zr, dv_hr, dv_hc)
+def work_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):  # fmt: skip
+    """Work item `item`: key tile item // ZH (key tile 0 of every head first, the heaviest under causal)
+    of (z, h) = divmod(item % ZH, H). Returns the tile's first key, item % ZH, the first query row lo its
+    steps start from, its steps n (>= 1) and `edge`: from that step on (a window's) queries lose keys at
+    the window's far edge."""
+    key0 = (item // ZH) * BLOCK_N
+    bh = item % ZH
     if CAUSAL:
         lo = (key0 // BLOCK_M) * BLOCK_M
     else:
@@ -307,13 +123,323 @@ def attn_bwd(
         end = gl.minimum(T, (key0 + BLOCK_N + window_left + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         first_lossy = gl.maximum(key0 + window_left + 2 - BLOCK_M - lo, 0)
         edge = gl.maximum(gl.minimum((first_lossy + BLOCK_M - 1) // BLOCK_M, (end - lo) // BLOCK_M), FIRST)
-    n = (end - lo) // BLOCK_M
+    return key0, bh, lo, (end - lo) // BLOCK_M, edge
+
+
+@gluon.jit
+def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, q_row, q_col,
+              do_row, do_col, l_row, g, STAGES: gl.constexpr):  # fmt: skip
+    """Q, dO, L and D of the program's step g (BLOCK_M rows from each row given) into ring stage
+    g % STAGES, once the consumers released step g - STAGES on `empty` (its (g // STAGES)-th completion:
+    parity ((g // STAGES) & 1) ^ 1, which a fresh barrier passes at once for g < STAGES); all four
+    complete on that stage's `ready` barrier (one arrival plus the transaction bytes)."""
+    s = g % STAGES
+    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+    bar = ready.index(s)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + l_desc.block_type.nbytes
+                            + dl_desc.block_type.nbytes)  # fmt: skip
+    mbarrier.expect(bar, nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], bar, q_ring.index(s))
+    tma.async_copy_global_to_shared(do_desc, [do_row, do_col], bar, do_ring.index(s))
+    tma.async_copy_global_to_shared(l_desc, [l_row], bar, l_ring.index(s))
+    tma.async_copy_global_to_shared(dl_desc, [l_row], bar, dl_ring.index(s))
+
+
+@gluon.jit
+def load_item(
+    k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
+    v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr,
+    do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+):  # fmt: skip
+    """The loader's work for this program's k-th work item (program_item), whose steps follow the
+    program's `base` earlier ones: its K and V tiles into buffer k % KV_BUFFERS, once the consumers
+    released that buffer's previous item (item k - KV_BUFFERS) on kv_empty ((k // KV_BUFFERS)-th
+    completion, parity as load_step's), then the query tiles of its steps (load_step). Returns the
+    program's steps up to the item's end."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+    item = program_item(k, gl.num_programs(0), gl.program_id(0))
+    key0, bh, lo, n, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    z = bh // H
+    h = bh % H
+    kb = k % KV_BUFFERS
+    kv_bar = kv_ready.index(kb)
+    mbarrier.wait(kv_empty.index(kb), ((k // KV_BUFFERS) & 1) ^ 1)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    k_row, k_col = head_start(z, h // group, k_zr, k_hr, k_hc)
+    v_row, v_col = head_start(z, h // group, v_zr, v_hr, v_hc)
+    tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], kv_bar, k_bufs.index(kb))
+    tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], kv_bar, v_bufs.index(kb))
+    q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
+    do_row, do_col = head_start(z, h, do_zr, do_hr, do_hc)
+    first = lo - base * BLOCK_M  # the query rows of the program's step g: first + g * BLOCK_M
+    for g in range(base, base + n):
+        row = first + g * BLOCK_M
+        load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty,
+                  q_row + row, q_col, do_row + row, do_col, bh * T + row, g, STAGES)  # fmt: skip
+    return base + n
+
+
+@gluon.jit
+def loader(
+    q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs, v_bufs, ready,
+    empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T,
+    H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """The loader partition: load_item for each work item of this program (PERSISTENT), or for its one
+    item. Its ring steps run on across items (the consumers count them alike), so the next item's K and V
+    (in the other buffer) and first query tiles load while the consumers finish the current item."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    if PERSISTENT:
+        items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0))
+        base = gl.to_tensor(0)  # (a loop-carried int32)
+        for k in range(items):
+            base = load_item(
+                k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
+                k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr,
+                v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES,
+                BLOCK_M,
+            )  # fmt: skip
+    else:
+        load_item(
+            0, 0, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
+            v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc,
+            do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
+        )  # fmt: skip
+
+
+@gluon.jit
+def step(
+    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
+    empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
+):  # fmt: skip
+    """The program's step g, of the consumer warpgroups: the query tile from row first + g * BLOCK_M of
+    the head, with K and V of buffer kb, masked as visible's DIAG and EDGE say; returns dK and dV (dK
+    still in flight). dS^T: a buffer of one (ds_one).
+
+    Where d = BLOCK_N (d = 128 at 8 warps), dQ is computed transposed, dQ^T = K^T dS^T: its d rows split
+    over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
+    is below wgmma's 64 rows a warpgroup). Its operands come from K and dS^T indexed with step_zero: hoisted
+    out of the loop, the 16 descriptors held 32 registers and the kernel spilled (at 64-row steps d = 128
+    spills and serializes its wgmmas anyway: S, dP, dK and dV leave too few registers)."""
+    TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
+    zero = step_zero(g)
+    made_here = kb + zero  # buffer kb, its wgmma descriptors made in the step
+    if k_bufs.shape[0] > 1:
+        # kb varies between items: the descriptors of K and V, hoisted out of the loops, held registers
+        # enough to spill (112 bytes with a window at d = 64)
+        kb = made_here
+    k_smem = k_bufs.index(kb)
+    v_smem = v_bufs.index(kb)
+    ds_smem = ds_one.index(0)
+    s = g % STAGES
+    m0 = first + g * BLOCK_M
+    dtype: gl.constexpr = k_smem.dtype
+    # Stage s completes once every STAGES steps: wait for parity (g // STAGES) & 1.
+    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+    q_s = q_ring.index(s)
+    do_s = do_ring.index(s)
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    columns: gl.constexpr = gl.SliceLayout(0, s_layout)
+    l2 = l_ring.index(s).load(columns) * _LOG2E
+    delta = dl_ring.index(s).load(columns)
+    # In flight, oldest first: dK(g-1) (none at an item's first step), S(g), dP(g). Down to one retires
+    # dK(g-1), the last reader of Q(g-1) (dV(g-1), the last reader of dO(g-1), retired in step g-1), and
+    # S(g).
+    s_t = warpgroup_mma_wait(num_outstanding=1, deps=[s_t])
+    # The dQ reduction of step g-2 must have read dq_ring[g % 2] before it is overwritten below.
+    tma.store_wait(pendings=1)
+    # Every consumer warp is past both waits: stage (g-1) % STAGES and the dQ buffer are free. One
+    # arrival hands the stage back to the loader (none at g = 0; an item's first step releases the last
+    # step of the item before).
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
+
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    queries = m0 + gl.arange(0, BLOCK_M, layout=columns)
+    p_t = visible(p_t, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), window_left, 0.0, DIAG, EDGE)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[dp_t])
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+
+    ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
+    # dS^T to shared memory for the dQ product (its last reader, dQ(g-1), retired in step g-1). Writes
+    # by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
+    ds_smem.store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()
+    if TRANSPOSED_DQ:
+        dq = warpgroup_mma(k_bufs.index(made_here).permute((1, 0)), ds_one.index(zero),
+                           gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
+                           q_layout), use_acc=False, is_async=True)  # fmt: skip
+    dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
+    # In flight: dV(g), dQ(g), dK(g). Down to one retires dV(g) and dQ(g); dK(g) runs on.
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
+    # The dQ share through shared memory (fp32) to a TMA reduce-add: fence, barrier, one issue.
+    dq_buf = dq_ring.index(g % 2)
+    if TRANSPOSED_DQ:
+        dq_buf = dq_buf.permute((1, 0))
+    dq_buf.store(dq * scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_ring.index(g % 2))
+    return dk, dv
+
+
+@gluon.jit
+def consume_item(
+    k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
+    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale, scale,
+    window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
+    q_layout: gl.constexpr,
+):  # fmt: skip
+    """The consumers' work for this program's k-th work item (program_item), whose steps follow the
+    program's `base` earlier ones: the diagonal steps masked (under causal; else step 0 alone, unmasked),
+    up to two unrolled and the rest in a loop, then the steps that see every key in a loop, then (a
+    window's) those from step `edge` on that lose keys at its far edge, then dK and dV out through TMA
+    (K's and V's buffers stage them), and the K/V buffer back to the loader on kv_empty. Returns the
+    program's steps up to the item's end. Peeling step 0 keeps ptxas from serializing every wgmma: a loop
+    that may run zero times would feed zero-initialised accumulators into the epilogue's wait. Four
+    unrolled diagonal steps (32-row steps) spilled at d = 128."""
+    FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
+    UNROLLED: gl.constexpr = FIRST if FIRST <= 2 else 1
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+    item = program_item(k, gl.num_programs(0), gl.program_id(0))
+    key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    first = lo - base * BLOCK_M  # the query rows of step g: first + g * BLOCK_M
+    bh_row = bh * T  # this head's first row of L, D and dQ's sum
+    kb = k % KV_BUFFERS
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
+    for i in gl.static_range(UNROLLED):
+        dk, dv = step(
+            base + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
+            dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
+            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+        )  # fmt: skip
+    for g in range(base + UNROLLED, base + FIRST):
+        dk, dv = step(
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
+            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+        )  # fmt: skip
+    for g in range(base + FIRST, base + edge):
+        dk, dv = step(
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M,
+            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+        )  # fmt: skip
+    if WINDOW:
+        for g in range(base + edge, base + n):
+            dk, dv = step(
+                g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
+                dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True,
+                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+            )  # fmt: skip
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
+    # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    k_smem = k_bufs.index(kb)
+    v_smem = v_bufs.index(kb)
+    k_smem.store((dk * scale).to(k_smem.dtype))
+    v_smem.store(dv.to(v_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dk_row, dk_col = head_start(bh // H, bh % H, dk_zr, dk_hr, dk_hc)
+    dv_row, dv_col = head_start(bh // H, bh % H, dv_zr, dv_hr, dv_hc)
+    tma.async_copy_shared_to_global(dk_desc, [dk_row + key0, dk_col], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [dv_row + key0, dv_col], v_smem)
+    # Both stores have read the buffers: every warp's wait done, one arrival hands them to the loader
+    # (for item k + KV_BUFFERS).
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    mbarrier.arrive(kv_empty.index(kb))
+    return base + n
+
+
+@gluon.jit
+def consumer(
+    k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready, kv_empty,
+    dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale, scale,
+    window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
+    q_layout: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """The compute partition: consume_item for each work item of this program (PERSISTENT), or for its
+    one item.
+
+    Barrier phases across items (the invariant the loader keeps alike): the ring's steps are counted over
+    the program, g = the steps of its earlier items + the item's own, so stage g % STAGES's `ready`
+    completes for the (g // STAGES)-th time at step g and `empty` is released for step g - 1 in step g
+    whatever the item (an item's first step releases the previous item's last); K/V buffer k % KV_BUFFERS
+    completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
+    stores have read it. The loader only waits on releases of steps and items before the ones it loads,
+    so no wait depends on a later one."""
+    if PERSISTENT:
+        items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0))
+        base = gl.to_tensor(0)  # (a loop-carried int32)
+        for k in range(items):
+            base = consume_item(
+                k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
+                kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H,
+                ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
+                d_layout, q_layout,
+            )  # fmt: skip
+    else:
+        consume_item(
+            0, 0, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
+            kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale,
+            scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
+            q_layout,
+        )  # fmt: skip
+
+
+@gluon.jit
+def attn_bwd(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, q_zr, q_hr, q_hc, k_zr, k_hr,
+    k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
+    qk_scale, scale, window_left,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Work items: the T / BLOCK_N * Z * H (key tile, head) pairs, heaviest first (key tile 0 of every
+    head, then tile 1, ...; work_item). Grid: one program an item, or with PERSISTENT fewer (one an SM),
+    each running the items program_item gives it one after another, K and V in two buffers: the loader
+    loads the next item's K, V and first query tiles while the consumers finish the current one. Head
+    (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr,
+    _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h
+    go to head h of dk_desc and dv_desc (per query head: the caller sums each group's). dq_desc: a float32
+    (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,). WINDOW (with CAUSAL): a query also sees no key
+    more than window_left before it."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
+    gl.static_assert(BLOCK_N % BLOCK_M == 0)
+    gl.static_assert(BLOCK_D == BLOCK_N or BLOCK_M == 64, "dQ = dS K takes 64-row steps (a warpgroup's)")
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
+    d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
+    q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
 
     dtype: gl.constexpr = k_desc.dtype
-    # K and dS^T in buffers of one, for step's dQ^T (step_zero)
-    k_one = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
-    k_smem = k_one.index(0)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    KV_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
+    # K and V per item in KV_BUFFERS buffers (step indexes K's with step_zero for the dQ^T product)
+    k_bufs = gl.allocate_shared_memory(dtype, [KV_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [KV_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
@@ -323,25 +449,28 @@ def attn_bwd(
     dq_ring = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(kv_bar, count=1)
+    for b in gl.static_range(KV_BUFFERS):
+        mbarrier.init(kv_ready.index(b), count=1)
+        mbarrier.init(kv_empty.index(b), count=1)
     # The barriers' initialisation must be visible to the async proxy (TMA) before it signals them.
     fence_async_shared()
     gl.thread_barrier()
 
     gl.warp_specialize([
-        (consumer, (k_one, v_smem, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_bar,
-                    dq_desc, dk_desc, dv_desc, dk_row + key0, dk_col, dv_row + key0, dv_col, bh_row, key0, lo,
-                    n, edge, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
-                    s_layout, d_layout, q_layout)),
-        (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_smem,
-                  v_smem, ready, empty, kv_bar, q_row, q_col, do_row, do_col, k_row + key0, k_col,
-                  v_row + key0, v_col, bh_row, lo, n, STAGES, BLOCK_M)),
+        (consumer, (k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
+                    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH,
+                    qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
+                    s_layout, d_layout, q_layout, PERSISTENT)),
+        (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
+                  v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
+                  v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
+                  PERSISTENT)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
-
 
 
 # ------------------------------------------------------------------------------------------------ forward

@@ -184,7 +184,7 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
 def describe(config: ForwardConfig | BackwardConfig) -> str:
     """The numbers of a config joined by '/', then its flags, its kv_splits beyond 1 and the dQ launch's own
     steps and stages by name."""
-    flags = ("hopper", "transposed_grads", "split")
+    flags = ("hopper", "persistent", "transposed_grads", "split")
     dq_steps = ("dq_block_m", "dq_stages")
     numbers = [x for name, x in dataclasses.asdict(config).items()
                if name not in (*flags, "kv_splits", *dq_steps) and x is not None]  # fmt: skip

@@ -276,8 +276,11 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             dq = Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), dq_launch(c))
             return LaunchPair(Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
         programs = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
-        kernel = _hopper.kernel("bwd") if c.hopper else kernels.attn_bwd
-        return Launcher(kernel, (programs * batch * heads,), c)
+        if c.hopper:
+            work_items = programs * batch * heads
+            grid = _hopper.backward_programs(work_items, c.persistent, plan.problem.sm_count)
+            return Launcher(_hopper.kernel("bwd"), (grid,), c)
+        return Launcher(kernels.attn_bwd, (programs * batch * heads,), c)
 
     def args(c: BackwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         nonlocal dq_acc
@@ -287,7 +290,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                                                                       dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
             return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
-                                         c.block_n, c.num_stages, is_causal, scale, mask_args)  # fmt: skip
+                                         c.block_n, c.num_stages, is_causal, scale, mask_args,
+                                         c.persistent)  # fmt: skip
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
         return phase_args(c, "both")
