@@ -158,16 +158,14 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 # _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
 # cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
 # backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
-# time, the most that compile without spills (decisions.md#gluon-backward-128). Each also in persistent
-# programs (K and V double-buffered: 182 KB of shared memory at d = 64, 206 KB at d = 128 with 2 stages;
-# decisions.md#gluon-backward-persistent).
+# time, the most that compile without spills (decisions.md#gluon-backward-128). Up to d = 64 also in
+# persistent programs (K and V double-buffered, 182 KB of shared memory); at d = 128 they need 2 stages
+# (206 KB), and 2 stages lost there, persistent or not (decisions.md#gluon-backward-persistent).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
 HOPPER_BACKWARD = {
     64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
          B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
-    128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
-          B(32, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True),
-          B(32, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
+    128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)],
 }
 
 
