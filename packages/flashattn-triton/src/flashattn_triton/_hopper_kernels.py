@@ -192,21 +192,13 @@ def loader(
     item. Its ring steps run on across items (the consumers count them alike), so the next item's K and V
     (in the other buffer) and first query tiles load while the consumers finish the current item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    if PERSISTENT:
-        items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0))
-        base = gl.to_tensor(0)  # (a loop-carried int32)
-        for k in range(items):
-            base = load_item(
-                k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
-                k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr,
-                v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES,
-                BLOCK_M,
-            )  # fmt: skip
-    else:
-        load_item(
-            0, 0, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
-            v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc,
-            do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
+    items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    base = gl.to_tensor(0)  # (a loop-carried int32)
+    for k in range(items):
+        base = load_item(
+            k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
+            k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
+            v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
         )  # fmt: skip
 
 
@@ -388,22 +380,14 @@ def consumer(
     completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
     stores have read it. The loader only waits on releases of steps and items before the ones it loads,
     so no wait depends on a later one."""
-    if PERSISTENT:
-        items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0))
-        base = gl.to_tensor(0)  # (a loop-carried int32)
-        for k in range(items):
-            base = consume_item(
-                k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
-                kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H,
-                ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
-                d_layout, q_layout,
-            )  # fmt: skip
-    else:
-        consume_item(
-            0, 0, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
-            kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale,
-            scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
-            q_layout,
+    items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    base = gl.to_tensor(0)  # (a loop-carried int32)
+    for k in range(items):
+        base = consume_item(
+            k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
+            kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH,
+            qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
+            d_layout, q_layout,
         )  # fmt: skip
 
 
