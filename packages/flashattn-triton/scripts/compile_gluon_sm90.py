@@ -11,6 +11,7 @@ bf16 inputs.
     PYTHONPATH=src python scripts/compile_gluon_sm90.py bwd:32/128/8/2 --full --kv-heads 1 --layout bthd
     PYTHONPATH=src python scripts/compile_gluon_sm90.py bwd:64/128/8/4 --dims 64 --persistent
     PYTHONPATH=src python scripts/compile_gluon_sm90.py fwd:128/128/4/2 --window 200 --keep /tmp/sm90
+    PYTHONPATH=src python scripts/compile_gluon_sm90.py fwd:128/128/4/2 --persistent
 
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES: the backward's query rows a step, keys a program, consumer
 warps (BLOCK_N / 16) and ring stages; the forward's query rows a program (two consumers of half), keys a
@@ -72,7 +73,7 @@ def kernel_args(pass_name: str, numbers: list[int], head_dim: int, args: argpars
     mask_args = {"BAND": args.window is not None, "window_left": args.window or 0}
     if pass_name == "fwd":
         made = _hopper.forward_args(q, k, v, out, lse, block_m, block_n, stages, not args.full, 0.1,
-                                    mask_args)  # fmt: skip
+                                    mask_args, args.persistent)  # fmt: skip
     else:
         dk, dv = tensor(HEADS, head_dim, args.layout), tensor(HEADS, head_dim, args.layout)
         dq_sum = torch.zeros(BATCH, HEADS, SEQLEN, head_dim)
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=HEADS, help=f"K/V heads (of {HEADS} query heads)")
     parser.add_argument("--layout", choices=("bhtd", "bthd"), default="bhtd", help="the tensors' memory")
     parser.add_argument("--persistent", action="store_true",
-                        help="the backward's persistent programs (several work items each)")
+                        help="persistent programs (several work items each)")
     parser.add_argument("--keep", type=Path, help="a directory for each build's PTX and SASS")
     args = parser.parse_args()
     driver.set_active(Sm90Driver())

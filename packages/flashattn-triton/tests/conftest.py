@@ -174,20 +174,21 @@ def in_place_outputs(monkeypatch) -> list[bool]:
     return in_place
 
 
-# SM counts a persistent Gluon backward is also run with, so that a test problem's few work items make
+# SM counts a persistent Gluon kernel is also run with, so that a test problem's few work items make
 # several a program: one program (every item in turn) and 5 (a last round that leaves programs out).
 FEW_SMS = (1, 5)
 
 
 @pytest.fixture
-def hopper_backwards(monkeypatch):
-    """hopper_backwards(head_dim) yields the Gluon backward's candidates for head_dim, each persistent one
-    again with plans made for FEW_SMS streaming multiprocessors (_sm_count patched, in a plan cache of
-    its own), one at a time (through monkeypatch: undone after the test, however it ends)."""
+def hopper_configs(monkeypatch):
+    """hopper_configs(pass_name, head_dim) yields the Gluon kernel's candidates for pass_name ("fwd" or
+    "bwd") and head_dim, each persistent one again with plans made for FEW_SMS streaming multiprocessors
+    (_sm_count patched, in a plan cache of its own), one at a time (through monkeypatch: undone after the
+    test, however it ends)."""
 
-    def configs(head_dim: int):
+    def configs(pass_name: str, head_dim: int):
         own_count, own_plans = triton_impl._sm_count, triton_impl._plans  # (the test's, when it asks)
-        for config in _configs.hopper_candidates("bwd", head_dim):
+        for config in _configs.hopper_candidates(pass_name, head_dim):
             for sm_count in (None, *FEW_SMS) if config.persistent else (None,):
                 few = (lambda device, n=sm_count: n) if sm_count is not None else None
                 monkeypatch.setattr(triton_impl, "_sm_count", few or own_count)

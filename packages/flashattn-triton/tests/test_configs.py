@@ -31,15 +31,17 @@ def test_hopper_forward_config_must_fit_the_kernel():
         ForwardConfig(128, 64, 4, 2, hopper=True)
     with pytest.raises(ValueError, match="num_warps = block_m / 32"):
         ForwardConfig(128, 128, 8, 2, hopper=True)
+    with pytest.raises(ValueError, match="hopper=True"):
+        ForwardConfig(128, 128, 4, 2, persistent=True)
 
 
 def test_hopper_configs_step_down_to_the_triton_kernels():
-    (forward,) = HOPPER_FORWARD
     for backward in (c for row in HOPPER_BACKWARD.values() for c in row):
         assert smaller(backward) == BackwardConfig(backward.block_m, backward.block_n, backward.num_warps,
                                                    backward.num_stages, atomic_dq=True)  # fmt: skip
-    assert smaller(forward) == ForwardConfig(forward.block_m, forward.block_n, forward.num_warps,
-                                             forward.num_stages)  # fmt: skip
+    for forward in HOPPER_FORWARD:
+        assert smaller(forward) == ForwardConfig(forward.block_m, forward.block_n, forward.num_warps,
+                                                 forward.num_stages)  # fmt: skip
 
 
 def test_described_configs_name_the_hopper_kernel():
@@ -48,6 +50,7 @@ def test_described_configs_name_the_hopper_kernel():
     assert _planning.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_BACKWARD[64][1]) == "64/128/8/4/1/168 hopper persistent"
     assert _planning.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
+    assert _planning.describe(HOPPER_FORWARD[1]) == "128/128/4/2/168 hopper persistent"
     config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
     assert _planning.describe(config) == "16/64/4/3/0 transposed_grads split"
 

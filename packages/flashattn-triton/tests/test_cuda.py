@@ -290,13 +290,13 @@ needs_hopper_gluon = pytest.mark.skipif(
     (torch.bfloat16, (2, 3), 384, 128, True),
     (torch.float16, (1, 2), 256, 128, False),
 ])  # fmt: skip
-def test_hopper_backward(problem, monkeypatch, hopper_backwards, dtype, lead, seqlen, head_dim, is_causal):
+def test_hopper_backward(problem, monkeypatch, hopper_configs, dtype, lead, seqlen, head_dim, is_causal):
     """The Gluon kernel (named explicitly: problems this small would otherwise take the small path), each
     candidate of its head dim, the persistent ones also in few programs of several work items each."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1)
-    for config in hopper_backwards(head_dim):
+    for config in hopper_configs("bwd", head_dim):
         poison_allocator()
         grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, is_causal, 0.1, config)
         p.assert_close({"dq": grads[0], "dk": grads[1], "dv": grads[2]})
@@ -309,12 +309,15 @@ def test_hopper_backward(problem, monkeypatch, hopper_backwards, dtype, lead, se
     (torch.float16, (3,), 512, 64, True),
     (torch.bfloat16, (2,), 640, 128, True),
 ])  # fmt: skip
-def test_hopper_forward(problem, monkeypatch, dtype, lead, seqlen, head_dim, is_causal):
+def test_hopper_forward(problem, monkeypatch, hopper_configs, dtype, lead, seqlen, head_dim, is_causal):
+    """Each candidate of the Gluon forward (named explicitly, as test_hopper_backward's), the persistent
+    ones also in few programs of several work items each."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
-    poison_allocator()
-    out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1, _configs.HOPPER_FORWARD[0])
-    p.assert_close({"out": out, "lse": lse})
+    for config in hopper_configs("fwd", head_dim):
+        poison_allocator()
+        out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1, config)
+        p.assert_close({"out": out, "lse": lse})
 
 
 @needs_hopper_gluon

@@ -463,12 +463,12 @@ needs_hopper_gluon = pytest.mark.skipif(
 @needs_hopper_gluon
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("case", GLUON_CASES)
-def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, hopper_backwards, case, dtype):
+def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, hopper_configs, case, dtype):
     """The Gluon kernels, named (a config they refuse raises), on grouped-query attention, the (B, T, H, d)
     memory of a model's transposed and fused projections (outputs and gradients in place, in that layout)
-    and causal sliding windows: float64's values; every backward candidate, the persistent ones also in
-    few programs of several work items each. The outputs' memory starts as NaN, so a tile a kernel fails
-    to write shows."""
+    and causal sliding windows: float64's values; every forward and backward candidate, the persistent ones
+    also in few programs of several work items each. The outputs' memory starts as NaN, so a tile a
+    kernel fails to write shows."""
     monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
     monkeypatch.setattr(triton_impl, "_plans", {})
     (batch, q_heads, kv_heads, seqlen, head_dim), layout, is_causal, window = GLUON_CASES[case]
@@ -478,11 +478,12 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ho
     args = op_arguments(q, k, v, is_causal=is_causal, window_size=window, enable_gqa=True)
     want = float64_torch_path(args, grad_out)
     gluon = {pass_name: head_dim in _hopper.HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
-    forward = _configs.HOPPER_FORWARD[0] if gluon["fwd"] else None
-    torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations' memory)
-    out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)
-    assert out.stride() == _inputs.output_like(q).stride()
-    for backward in hopper_backwards(head_dim) if gluon["bwd"] else [None]:
+    for forward in hopper_configs("fwd", head_dim) if gluon["fwd"] else [None]:
+        torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations')
+        out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)
+        assert out.stride() == _inputs.output_like(q).stride()
+        assert_close({"out": out, "lse": lse}, want, dtype, names=("out", "lse"))
+    for backward in hopper_configs("bwd", head_dim) if gluon["bwd"] else [None]:
         torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))
         grads = triton_impl.triton_backward(q, k, v, out, lse, grad_out, is_causal, args.scale, backward,
                                             window=window)  # fmt: skip

@@ -30,9 +30,14 @@ class ForwardConfig:
     # Programs per query tile, each walking an even share of its key tiles; a second launch combines their
     # partial results (_kernels.attn_fwd_combine). For problems whose query tiles do not fill the GPU.
     kv_splits: int = 1
+    # The Gluon kernel in persistent programs (one an SM) that each run several query tiles one after
+    # another, the next one's loads overlapping the current one's last steps and its O store.
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         _check_blocks(self, ["block_m", "block_n"], 256)
+        if self.persistent and not self.hopper:
+            raise ValueError(f"{self}: persistent programs are the Gluon kernel's (hopper=True)")
         if not (isinstance(self.kv_splits, int) and 1 <= self.kv_splits <= MAX_KV_SPLITS):
             raise ValueError(f"kv_splits={self.kv_splits}: an int from 1 to {MAX_KV_SPLITS}")
         if self.hopper and self.kv_splits > 1:
@@ -161,7 +166,8 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 # time, the most that compile without spills (decisions.md#gluon-backward-128). Up to d = 64 also in
 # persistent programs (K and V double-buffered, 182 KB of shared memory); at d = 128 they need 2 stages
 # (206 KB), and 2 stages lost there, persistent or not (decisions.md#gluon-backward-persistent).
-HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True)]
+HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
+                  F(128, 128, 4, 2, max_registers=168, hopper=True, persistent=True)]
 HOPPER_BACKWARD = {
     64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
          B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
@@ -186,8 +192,7 @@ def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardC
     Hopper kernel steps down to the Triton-language kernel: its ring needs two stages; a split backward's
     dQ launch first takes the dK/dV launch's steps and stages)."""
     if config.hopper:
-        persistent = {"persistent": False} if isinstance(config, BackwardConfig) else {}
-        return replace(config, hopper=False, max_registers=None, **persistent)
+        return replace(config, hopper=False, max_registers=None, persistent=False)
     if getattr(config, "dq_block_m", None) or getattr(config, "dq_stages", None):
         return replace(config, dq_block_m=None, dq_stages=None)
     if config.num_stages > 1:

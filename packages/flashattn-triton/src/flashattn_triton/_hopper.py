@@ -154,14 +154,15 @@ def _band_args(is_causal: bool, mask_args: dict[str, Any]) -> dict[str, Any]:
 
 def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  block_m: int, block_n: int, stages: int, is_causal: bool, scale: float,
-                 mask_args: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+                 mask_args: dict[str, Any], persistent: bool = False) -> dict[str, Any]:  # fmt: skip
     """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step; mask_args: the
-    plan's (its band)."""
+    plan's (its band). persistent: programs that run several work items (programs) double-buffer Q, so
+    that the next item's load overlaps the current one's last steps."""
     rows = block_m // 2
     descriptors = {"q": matrix(q, rows), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "o": matrix(out, rows)}  # fmt: skip
     return dict(**_descriptor_args(descriptors), **_head_args(q, k), L=lse, qk_scale=scale * _gluon().LOG2E,
-                STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
+                STAGES=stages, PERSISTENT=persistent, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
                 **_band_args(is_causal, mask_args))  # fmt: skip
 
 
@@ -172,7 +173,7 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
                   persistent: bool = False) -> dict[str, Any]:  # fmt: skip
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
     (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors. persistent: programs that run several
-    work items (backward_programs) double-buffer K and V, so that the next item's load overlaps the
+    work items (programs) double-buffer K and V, so that the next item's load overlaps the
     current one's last steps."""
     kernels = _gluon()
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
@@ -184,9 +185,10 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
                 **_band_args(is_causal, mask_args))  # fmt: skip
 
 
-def backward_programs(work_items: int, persistent: bool, sm_count: int) -> int:
-    """attn_bwd's grid: a program a work item (a key tile of a head), or with persistent one program an SM
-    (its shared memory holds one), each running its share of the items (_hopper_kernels.program_item)."""
+def programs(work_items: int, persistent: bool, sm_count: int) -> int:
+    """A Gluon kernel's grid: a program a work item (attn_fwd's query tile or attn_bwd's key tile of a
+    head), or with persistent one program an SM (its shared memory holds one), each running its share of
+    the items (_hopper_kernels.program_item)."""
     return min(work_items, sm_count) if persistent else work_items
 
 

@@ -461,157 +461,12 @@ def attn_bwd(
 
 
 @gluon.jit
-def forward_loader(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, q_row,
-                   q_col, k_row, k_col, v_row, v_col, top, n, STAGES: gl.constexpr):  # fmt: skip
-    """The loader partition: both consumers' Q tiles once (from (q_row, q_col)), then K and V of key tile
-    top - j at step j (the diagonal first, then descending; the head's rows from (k_row, k_col) and (v_row,
-    v_col)) into stage j % STAGES, K and V on barriers of their own so that S = QKᵀ can start before V
-    lands. Stage reuse waits for both consumers' release on `empty`."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    for i in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row + i * ROWS, q_col], q_bar, q_smem.index(i))
-    for j in range(n):
-        s = j % STAGES
-        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        key0 = (top - j) * BLOCK_N
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], k_ready.index(s), k_ring.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], v_ready.index(s), v_ring.index(s))
-
-
-@gluon.jit
-def forward_step(j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i, qk_scale, q0,
-                 window_left, STAGES: gl.constexpr, FIRST: gl.constexpr, DIAG: gl.constexpr,
-                 EDGE: gl.constexpr, ME: gl.constexpr, s_layout: gl.constexpr,
-                 o_layout: gl.constexpr):  # fmt: skip
-    """Key tile top - j for consumer ME (query rows from q0), masked as visible's DIAG and EDGE say: S =
-    QKᵀ issued on its turn (the other consumer's softmax runs meanwhile), the online softmax update, O =
-    O * alpha + P V. Returns O, m, l."""
-    BM: gl.constexpr = q_s.shape[0]
-    BN: gl.constexpr = k_ring.shape[1]
-    s_idx = j % STAGES
-    key0 = (top - j) * BN
-    mbarrier.wait(k_ready.index(s_idx), (j // STAGES) & 1)
-    mbarrier.wait(turn.index(ME), j & 1)  # my turn: turn[ME]'s j-th completion
-    s_tok = warpgroup_mma(q_s, k_ring.index(s_idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                          use_acc=False, is_async=True)  # fmt: skip
-    mbarrier.arrive(turn.index(1 - ME))
-    s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-    # (every row sees its own key, in step 0's diagonal tile: m is finite from there on)
-    rows = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-    cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-    qk = visible(s * qk_scale, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, float("-inf"),
-                 DIAG, EDGE)  # fmt: skip
-    if FIRST:
-        m_new = gl.max(qk, 1)
-    else:
-        m_new = gl.maximum(m_i, gl.max(qk, 1))
-    p = gl.exp2(qk - gl.expand_dims(m_new, 1))
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
-    if FIRST:
-        l_new = gl.sum(p, 1)
-    else:
-        alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + gl.sum(p, 1)
-        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    mbarrier.wait(v_ready.index(s_idx), (j // STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_ring.index(s_idx), o, use_acc=not FIRST, is_async=True)
-    o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
-    # Every warp of this consumer retired its reads of stage s_idx: one release (of two) for the loader.
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index(s_idx))
-    return o, m_new, l_new
-
-
-@gluon.jit
-def forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
-                     o_col, q0, top, n, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     WINDOW: gl.constexpr, ME: gl.constexpr):  # fmt: skip
-    """Consumer ME: query rows [q0 + ME * BM, + BM) of this head. Step 0 (the diagonal tile, masked
-    under causal) peeled, then the key tiles every row sees all of, then (a window's) those whose far
-    keys some rows do not see; L (from bh_row) and O / l (at the head's (o_row, o_col)) out at the end
-    (O through Q's shared memory)."""
-    q_s = q_smem.index(ME)
-    BM: gl.constexpr = q_s.shape[0]
-    BN: gl.constexpr = k_ring.shape[1]
-    BD: gl.constexpr = q_s.shape[1]
-    NW: gl.constexpr = gl.num_warps()
-    gl.static_assert(BM == 16 * NW, "each warp owns 16 query rows")
-    s_layout: gl.constexpr = mma_layout(NW, BN)
-    o_layout: gl.constexpr = mma_layout(NW, BD)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    first_row = q0 + ME * BM
-    o = gl.zeros([BM, BD], gl.float32, o_layout)
-    m_i = gl.full([BM], float("-inf"), gl.float32, rows_layout)
-    l_i = gl.zeros([BM], gl.float32, rows_layout)
-    mbarrier.wait(q_bar, 0)
-    o, m_i, l_i = forward_step(0, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
-                               qk_scale, first_row, window_left, STAGES, True, CAUSAL, WINDOW, ME, s_layout,
-                               o_layout)  # fmt: skip
-    edge = n
-    if WINDOW:  # key tiles from top - edge + 1 down start before the last row's first key
-        reach = gl.maximum(first_row + BM - 1 - window_left, 0)
-        edge = gl.maximum(gl.minimum(top + 1 - (reach + BN - 1) // BN, n), 1)
-    for j in range(1, edge):
-        o, m_i, l_i = forward_step(j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
-                                   qk_scale, first_row, window_left, STAGES, False, False, False, ME,
-                                   s_layout, o_layout)  # fmt: skip
-    if WINDOW:
-        for j in range(edge, n):
-            o, m_i, l_i = forward_step(j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i,
-                                       l_i, qk_scale, first_row, window_left, STAGES, False, False, True, ME,
-                                       s_layout, o_layout)  # fmt: skip
-    lse = (m_i + gl.log2(l_i)) * _LN2
-    gl.store(L + bh_row + first_row + gl.arange(0, BM, layout=rows_layout), lse)
-    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
-    gl.thread_barrier()  # every warp's wgmmas (readers of q_s) have retired
-    q_s.store(o.to(q_s.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [o_row + first_row, o_col], q_s)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def forward_consumer0(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
-                      o_col, q0, top, n, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      WINDOW: gl.constexpr):  # fmt: skip
-    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
-                     o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW, 0)  # fmt: skip
-
-
-@gluon.jit
-def forward_consumer1(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
-                      o_col, q0, top, n, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                      WINDOW: gl.constexpr):  # fmt: skip
-    forward_consumer(q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row, o_row,
-                     o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW, 1)  # fmt: skip
-
-
-@gluon.jit
-def attn_fwd(
-    q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, o_zr, o_hr, o_hc,
-    T, H, group, ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-):  # fmt: skip
-    """O and L (natural log, float32 (Z*H*T,)) of 2 * BM query rows of one (z, h), BM = q_desc's rows,
-    with FA3's ping-pong: two 4-warp consumer partitions of BM rows each take turns issuing their S = QKᵀ
-    (mbarriers `turn`), so one's softmax overlaps the other's products; a loader partition (the default
-    one, left with few registers) streams K and V. Key tiles of BLOCK_N = 2 * BM, the diagonal one first.
-    Grid: (T / (2 * BM) * Z * H,), tile-major, the longest causal query tiles first. Heads start at
-    head_start's rows and columns (as attn_bwd's); query head h reads K and V head h // group. WINDOW
-    (with CAUSAL): a query also sees no key more than window_left before it."""
-    BM: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    gl.static_assert(BLOCK_N == 2 * BM, "the diagonal key tile covers both consumers' rows")
-    pid = gl.program_id(0)
+def forward_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The forward's work item `item`: query tile item // ZH (under causal counted from the last, the
+    longest) of (z, h) = divmod(item % ZH, H). Returns its first query row q0, item % ZH, its top key tile
+    (the diagonal one under causal, walked first) and its key tiles n, from top down."""
     num_tiles = T // BLOCK_N
-    tile = pid // ZH
-    bh = pid % ZH
+    tile = item // ZH
     if CAUSAL:
         tile = num_tiles - 1 - tile
         top = tile
@@ -621,25 +476,251 @@ def attn_fwd(
     bottom = 0
     if WINDOW:  # the key tile of the first row's first key
         bottom = gl.maximum(q0 - window_left, 0) // BLOCK_N
-    n = top - bottom + 1
+    return q0, item % ZH, top, top - bottom + 1
+
+
+@gluon.jit
+def forward_load_item(
+    k, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, q_zr,
+    q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """The loader's work for this program's k-th work item (program_item), whose key tiles follow the
+    program's `base` earlier ones: both consumers' Q tiles into Q buffer k % Q_BUFFERS, once the consumers
+    released its item before (q_empty's (k // Q_BUFFERS)-th completion, parity as load_step's), then K and
+    V of key tile top - j at the program's ring step base + j (the diagonal first, then descending), K and
+    V on barriers of their own so that S = QKᵀ can start before V lands. Stage reuse waits for both
+    consumers' release on `empty`. Returns the program's ring steps up to the item's end."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    item = program_item(k, gl.num_programs(0), gl.program_id(0))
+    q0, bh, top, n = forward_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_N)
     z = bh // H
     h = bh % H
     q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
     k_row, k_col = head_start(z, h // group, k_zr, k_hr, k_hc)
     v_row, v_col = head_start(z, h // group, v_zr, v_hr, v_hc)
-    o_row, o_col = head_start(z, h, o_zr, o_hr, o_hc)
-    bh_row = bh * T
+    qb = k % Q_BUFFERS
+    mbarrier.wait(q_empty.index(qb), ((k // Q_BUFFERS) & 1) ^ 1)
+    mbarrier.expect(q_ready.index(qb), 2 * q_desc.block_type.nbytes)
+    for i in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [q_row + q0 + i * ROWS, q_col], q_ready.index(qb),
+                                        q_smem.index(2 * qb + i))  # fmt: skip
+    for j in range(n):
+        g = base + j
+        s = g % STAGES
+        mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+        key0 = (top - j) * BLOCK_N
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], k_ready.index(s), k_ring.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], v_ready.index(s), v_ring.index(s))
+    return base + n
 
+
+@gluon.jit
+def forward_loader(
+    q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, q_zr, q_hr,
+    q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """The loader partition: forward_load_item for each work item of this program (PERSISTENT), or for
+    its one item. Its ring steps run on across items (the consumers count them alike), so the next item's
+    Q (in the other buffer) and first K and V tiles load while the consumers finish the current item."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    base = gl.to_tensor(0)  # (a loop-carried int32)
+    for k in range(items):
+        base = forward_load_item(
+            k, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
+            empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left,
+            CAUSAL, WINDOW, STAGES,
+        )  # fmt: skip
+
+
+@gluon.jit
+def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i, qk_scale, q0,
+                 window_left, STAGES: gl.constexpr, FIRST: gl.constexpr, DIAG: gl.constexpr,
+                 EDGE: gl.constexpr, ME: gl.constexpr, s_layout: gl.constexpr,
+                 o_layout: gl.constexpr):  # fmt: skip
+    """Key tile top - j of the item, the program's ring step g, for consumer ME (query rows from q0),
+    masked as visible's DIAG and EDGE say: S = QKᵀ issued on its turn (the other consumer's softmax runs
+    meanwhile), the online softmax update, O = O * alpha + P V. Returns O, m, l."""
+    BM: gl.constexpr = q_s.shape[0]
+    BN: gl.constexpr = k_ring.shape[1]
+    s_idx = g % STAGES
+    key0 = (top - j) * BN
+    mbarrier.wait(k_ready.index(s_idx), (g // STAGES) & 1)
+    mbarrier.wait(turn.index(ME), g & 1)  # my turn: turn[ME]'s g-th completion
+    s_tok = warpgroup_mma(q_s, k_ring.index(s_idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
+                          use_acc=False, is_async=True)  # fmt: skip
+    mbarrier.arrive(turn.index(1 - ME))
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+    # (every row sees its own key, in step 0's diagonal tile: m is finite from there on)
+    rows = q0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+    cols = key0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    s = visible(s, gl.expand_dims(rows, 1), gl.expand_dims(cols, 0), window_left, float("-inf"), DIAG, EDGE)
+    # The row max of the raw scores (qk_scale > 0), scaled once a row: exp2's argument is then one FFMA an
+    # element (scaling every score first cost an FMUL an element more, 64 of a step's 471 instructions).
+    if FIRST:
+        m_new = gl.max(s, 1) * qk_scale
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+    if FIRST:
+        l_new = gl.sum(p, 1)
+    else:
+        alpha = gl.exp2(m_i - m_new)
+        l_new = l_i * alpha + gl.sum(p, 1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    mbarrier.wait(v_ready.index(s_idx), (g // STAGES) & 1)
+    o_tok = warpgroup_mma(p_op, v_ring.index(s_idx), o, use_acc=not FIRST, is_async=True)
+    o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+    # Every warp of this consumer retired its reads of stage s_idx: one release (of two) for the loader.
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s_idx))
+    return o, m_new, l_new
+
+
+@gluon.jit
+def forward_consume_item(
+    k, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr, o_hr,
+    o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    ME: gl.constexpr,
+):  # fmt: skip
+    """Consumer ME's work for this program's k-th work item, whose key tiles follow the program's `base`
+    earlier ones: query rows [q0 + ME * BM, + BM) of its head. Step 0 (the diagonal tile, masked under
+    causal) peeled, then the key tiles every row sees all of, then (a window's) those whose far keys some
+    rows do not see; L and O / l out at the end (O through this item's Q buffer, handed back to the loader
+    on q_empty once the store has read it: after the next item's step 0, so that no wait for the store
+    holds up the next S = QKᵀ and the other consumer's turn). Returns the program's ring steps up to the
+    item's end."""
+    Q_BUFFERS: gl.constexpr = q_ready.shape[0]
+    BM: gl.constexpr = q_smem.shape[1]
+    BD: gl.constexpr = q_smem.shape[2]
+    BN: gl.constexpr = k_ring.shape[1]
+    NW: gl.constexpr = gl.num_warps()
+    gl.static_assert(BM == 16 * NW, "each warp owns 16 query rows")
+    s_layout: gl.constexpr = mma_layout(NW, BN)
+    o_layout: gl.constexpr = mma_layout(NW, BD)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    item = program_item(k, gl.num_programs(0), gl.program_id(0))
+    q0, bh, top, n = forward_item(item, T, ZH, window_left, CAUSAL, WINDOW, BN)
+    qb = k % Q_BUFFERS
+    q_s = q_smem.index(2 * qb + ME)
+    first_row = q0 + ME * BM
+    o = gl.zeros([BM, BD], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, rows_layout)
+    l_i = gl.zeros([BM], gl.float32, rows_layout)
+    mbarrier.wait(q_ready.index(qb), (k // Q_BUFFERS) & 1)
+    o, m_i, l_i = forward_step(base, 0, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
+                               qk_scale, first_row, window_left, STAGES, True, CAUSAL, WINDOW, ME, s_layout,
+                               o_layout)  # fmt: skip
+    # The previous item's O store (from its Q buffer) ran during step 0: every warp past its wait, one
+    # release (of two) hands that buffer to the loader, for item k - 1 + Q_BUFFERS.
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    mbarrier.arrive(q_empty.index((k + Q_BUFFERS - 1) % Q_BUFFERS), pred=k > 0)
+    edge = n
+    if WINDOW:  # key tiles from top - edge + 1 down start before the last row's first key
+        reach = gl.maximum(first_row + BM - 1 - window_left, 0)
+        edge = gl.maximum(gl.minimum(top + 1 - (reach + BN - 1) // BN, n), 1)
+    for j in range(1, edge):
+        o, m_i, l_i = forward_step(base + j, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o,
+                                   m_i, l_i, qk_scale, first_row, window_left, STAGES, False, False, False,
+                                   ME, s_layout, o_layout)  # fmt: skip
+    if WINDOW:
+        for j in range(edge, n):
+            o, m_i, l_i = forward_step(base + j, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn,
+                                       o, m_i, l_i, qk_scale, first_row, window_left, STAGES, False, False,
+                                       True, ME, s_layout, o_layout)  # fmt: skip
+    lse = (m_i + gl.log2(l_i)) * _LN2
+    gl.store(L + bh * T + first_row + gl.arange(0, BM, layout=rows_layout), lse)
+    o = o * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
+    gl.thread_barrier()  # every warp's wgmmas (readers of q_s) have retired
+    q_s.store(o.to(q_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    o_row, o_col = head_start(bh // H, bh % H, o_zr, o_hr, o_hc)
+    tma.async_copy_shared_to_global(o_desc, [o_row + first_row, o_col], q_s)
+    return base + n
+
+
+@gluon.jit
+def forward_consumer(
+    q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr, o_hr, o_hc, T,
+    H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    PERSISTENT: gl.constexpr, ME: gl.constexpr,
+):  # fmt: skip
+    """Consumer ME: forward_consume_item for each work item of this program (PERSISTENT), or for its one
+    item. Barrier phases run on across items as the backward's do (consumer): ring stage g % STAGES
+    completes k_ready and v_ready for the (g // STAGES)-th time at the program's step g, turn[ME] for the
+    g-th time there (one completion a step from each consumer: both walk the same key tiles), and Q buffer
+    k % Q_BUFFERS its (k // Q_BUFFERS)-th time at item k."""
+    BN: gl.constexpr = k_ring.shape[1]
+    items = program_items(T // BN * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    base = gl.to_tensor(0)  # (a loop-carried int32)
+    for k in range(items):
+        base = forward_consume_item(
+            k, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
+            o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, ME,
+        )  # fmt: skip
+    tma.store_wait(pendings=0)  # the last item's O store has read its buffer
+
+
+@gluon.jit
+def forward_consumer0(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
+                      o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+    forward_consumer(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
+                     o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, PERSISTENT, 0)
+
+
+@gluon.jit
+def forward_consumer1(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
+                      o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr,
+                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
+    forward_consumer(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
+                     o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, PERSISTENT, 1)
+
+
+@gluon.jit
+def attn_fwd(
+    q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, o_zr, o_hr, o_hc,
+    T, H, group, ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    """O and L (natural log, float32 (Z*H*T,)) with FA3's ping-pong: two 4-warp consumer partitions of BM
+    rows each take turns issuing their S = QKᵀ (mbarriers `turn`), so one's softmax overlaps the other's
+    products; a loader partition (the default one, left with few registers) streams Q, K and V. Key tiles
+    of BLOCK_N = 2 * BM, the diagonal one first. Work items: the T / BLOCK_N * Z * H (query tile of 2 * BM
+    rows, head) pairs, tile-major, the longest causal query tiles first (forward_item). Grid: one program
+    an item, or with PERSISTENT fewer (one an SM), each running the items program_item gives it one after
+    another, Q in two buffers: the loader loads the next item's Q and first K and V tiles while the
+    consumers finish the current one. Heads start at head_start's rows and columns (as attn_bwd's); query
+    head h reads K and V head h // group. WINDOW (with CAUSAL): a query also sees no key more than
+    window_left before it."""
+    BM: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_N == 2 * BM, "the diagonal key tile covers both consumers' rows")
+    Q_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    # Q buffer b holds consumer i's rows at index 2 * b + i
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for b in gl.static_range(Q_BUFFERS):
+        mbarrier.init(q_ready.index(b), count=1)
+        mbarrier.init(q_empty.index(b), count=2)  # one release per consumer
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -652,10 +733,13 @@ def attn_fwd(
     # The loader is the default partition: Triton leaves it the registers the consumers do not take (a
     # consumer as the default partition would ask for 256 and oversubscribe the register file).
     gl.warp_specialize([
-        (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty,
-                          q_row + q0, q_col, k_row, k_col, v_row, v_col, top, n, STAGES)),
-        (forward_consumer0, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
-                             o_row, o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW)),
-        (forward_consumer1, (q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, empty, turn, o_desc, L, bh_row,
-                             o_row, o_col, q0, top, n, qk_scale, window_left, STAGES, CAUSAL, WINDOW)),
+        (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
+                          empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH,
+                          window_left, CAUSAL, WINDOW, STAGES, PERSISTENT)),
+        (forward_consumer0, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
+                             L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
+                             PERSISTENT)),
+        (forward_consumer1, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
+                             L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
+                             PERSISTENT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip

@@ -172,12 +172,15 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             combine_tiles = -(-seqlen_q // COMBINE_ROWS) * batch * heads
             return LaunchPair(Launcher(kernels.attn_fwd, (query_tiles, c.kv_splits), c),
                               Launcher(kernels.attn_fwd_combine, (combine_tiles,)))  # fmt: skip
-        return Launcher(_hopper.kernel("fwd") if c.hopper else kernels.attn_fwd, (query_tiles,), c)
+        if c.hopper:
+            grid = _hopper.programs(query_tiles, c.persistent, plan.problem.sm_count)
+            return Launcher(_hopper.kernel("fwd"), (grid,), c)
+        return Launcher(kernels.attn_fwd, (query_tiles,), c)
 
     def args(c: ForwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         if c.hopper:  # (_hopper.supports: T a multiple of 128, heads where _hopper.head_layout finds them)
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
-                                        is_causal, scale, mask_args)  # fmt: skip
+                                        is_causal, scale, mask_args, c.persistent)  # fmt: skip
         split = c.kv_splits > 1
         partials = None
         if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), for the combine
@@ -278,7 +281,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         programs = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
         if c.hopper:
             work_items = programs * batch * heads
-            grid = _hopper.backward_programs(work_items, c.persistent, plan.problem.sm_count)
+            grid = _hopper.programs(work_items, c.persistent, plan.problem.sm_count)
             return Launcher(_hopper.kernel("bwd"), (grid,), c)
         return Launcher(kernels.attn_bwd, (programs * batch * heads,), c)
 
