@@ -234,6 +234,25 @@ def test_tuning_times_the_gpu_not_the_host():
     assert _launcher.gpu_milliseconds(host_bound, 4) < 0.1
 
 
+def test_tuning_times_the_gpu_when_the_host_slows_down():
+    """Fast calls while gpu_milliseconds sizes its sleep, then 0.3 ms of host work a call (a busy moment):
+    the queue behind the sleep drains, and it queues again behind a longer one, so the time is still the
+    kernel's (with one queue it was the host's, ~0.3 ms)."""
+    import time
+
+    x = torch.ones(1024, device="cuda")
+    calls = 0
+
+    def slowing_host() -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 2:  # (the first call compiles, the second sizes the sleep)
+            time.sleep(3e-4)
+        x.mul_(1.0)
+
+    assert _launcher.gpu_milliseconds(slowing_host, 4) < 0.1
+
+
 BACKWARD_VARIANTS = [
     BackwardConfig(32, 128, 8, 2, atomic_dq=True),
     BackwardConfig(64, 64, 4, 2, atomic_dq=True),

@@ -166,6 +166,14 @@ def cases(feature: str, dev: torch.device, dtype: torch.dtype, batch: int) -> li
     raise ValueError(f"unknown feature {feature!r}; choose from {', '.join(FEATURES)}")
 
 
+def warm_case(case: Case) -> None:
+    """One forward and backward: compiles, tunes and fills caches before any case of the feature is
+    timed, so that no timing shares the host with a compile (a compiled baseline's first call starts the
+    compiler's worker processes) or the GPU with a tuner."""
+    out = case.fn()
+    torch.autograd.grad(out, case.inputs, torch.randn_like(out))
+
+
 def time_case(case: Case, timer: Callable[[Callable[[], object]], float]) -> dict[str, float]:
     """Median ms of the forward and of the backward (through autograd, its graph kept between repeats)."""
     out = case.fn()
@@ -187,7 +195,10 @@ def run_features(
     over the row's."""
     rows = []
     for feature in features:
-        timed = [(case, time_case(case, timer)) for case in cases(feature, dev, dtype, batch)]
+        feature_cases = cases(feature, dev, dtype, batch)
+        for case in feature_cases:
+            warm_case(case)
+        timed = [(case, time_case(case, timer)) for case in feature_cases]
         for case, times in timed:
             base = next(t for c, t in timed if c.baseline and c.pair == case.pair)
             row = {"feature": feature, "impl": case.impl, **{k: round(v, 4) for k, v in times.items()}}
