@@ -35,3 +35,22 @@ def test_window_speedup_reads_full_causal_over_windowed():
         {"feature": "window", "impl": "flash_attention full causal", "fwd ms": 7.0, "bwd ms": 12.0},
     ])  # fmt: skip
     assert flash_features.window_speedup(df).endswith("fwd 7.00x, bwd 6.00x")
+
+
+def test_repeats_keep_each_cases_median_over_rounds(monkeypatch):
+    """--repeats: every case timed once a round, rounds over all the feature's cases, the median kept (here
+    round 0 reads 9 ms, round 1 2 ms, round 2 1 ms for every pass: 2 ms each, neither the first nor the
+    last round's)."""
+    import torch
+
+    monkeypatch.setattr(flash_features, "GQA_SEQ", 32)
+    per_round = [9.0, 2.0, 1.0]
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        return per_round[(len(calls) - 1) // 8]  # 4 cases, fwd and bwd each: 8 timings a round
+
+    df = flash_features.run_features(["gqa"], torch.device("cpu"), torch.float32, 1, timer, repeats=3)
+    assert len(calls) == 24
+    assert (df["fwd ms"] == 2.0).all() and (df["bwd ms"] == 2.0).all()

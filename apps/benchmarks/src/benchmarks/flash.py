@@ -381,7 +381,8 @@ def build_shapes(args) -> list[Shape]:
 def feature_main(args, dev: torch.device) -> pd.DataFrame:
     """--feature: each feature against its baseline (benchmarks.flash_features), one table."""
     dtype = DTYPES[(args.dtypes or ["bfloat16"])[0]]
-    df = run_features(args.feature, dev, dtype, args.batch, make_timer(dev, args.warmup, args.rep))
+    timer = make_timer(dev, args.warmup, args.rep)
+    df = run_features(args.feature, dev, dtype, args.batch, timer, args.repeats)
     print_table(df, f"flash_attention features, {dtype}, "
                     f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")  # fmt: skip
     speedup = window_speedup(df)
@@ -443,8 +444,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help="time each pass as the replay of a CUDA graph captured after a warm-up "
                         "(CUDA only)")
     parser.add_argument("--repeats", type=positive_int, default=1,
-                        help="time every cell this many times, in rounds over all cells (so that a slow "
-                        "spell of the host hits every implementation alike), and keep the median")
+                        help="time every cell (or --feature case) this many times, in rounds over all "
+                        "cells (so that a slow spell of the host hits every implementation alike), and keep "
+                        "the median")
     parser.add_argument("--feature", type=str_list(FEATURES), default=None,
                         help=f"time flash_attention's features against PyTorch's best instead of the sweep "
                         f"({', '.join(FEATURES)}; bfloat16 unless --dtypes says otherwise)")

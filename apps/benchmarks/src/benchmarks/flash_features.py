@@ -18,6 +18,7 @@ Each feature times flashattn_triton and its baseline on the same inputs, forward
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -190,15 +191,19 @@ def run_features(
     dtype: torch.dtype,
     batch: int,
     timer: Callable[[Callable[[], object]], float],
+    repeats: int = 1,
 ) -> pd.DataFrame:
     """One row per implementation of each feature, with 'x baseline' columns: the feature's baseline time
-    over the row's."""
+    over the row's. Each case is timed `repeats` times, in rounds over the feature's cases (so that a slow
+    spell of the host or the GPU hits every implementation alike), and keeps the medians."""
     rows = []
     for feature in features:
         feature_cases = cases(feature, dev, dtype, batch)
         for case in feature_cases:
             warm_case(case)
-        timed = [(case, time_case(case, timer)) for case in feature_cases]
+        rounds = [[time_case(case, timer) for case in feature_cases] for _ in range(repeats)]
+        timed = [(case, {which: statistics.median(r[i][which] for r in rounds) for which in rounds[0][i]})
+                 for i, case in enumerate(feature_cases)]  # fmt: skip
         for case, times in timed:
             base = next(t for c, t in timed if c.baseline and c.pair == case.pair)
             row = {"feature": feature, "impl": case.impl, **{k: round(v, 4) for k, v in times.items()}}
