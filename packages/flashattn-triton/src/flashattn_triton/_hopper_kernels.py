@@ -672,22 +672,6 @@ def forward_consumer(
 
 
 @gluon.jit
-def forward_consumer0(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
-                      o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
-    forward_consumer(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
-                     o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, PERSISTENT, 0)
-
-
-@gluon.jit
-def forward_consumer1(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
-                      o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr,
-                      CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PERSISTENT: gl.constexpr):  # fmt: skip
-    forward_consumer(q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
-                     o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, PERSISTENT, 1)
-
-
-@gluon.jit
 def attn_fwd(
     q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, o_zr, o_hr, o_hc,
     T, H, group, ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
@@ -736,10 +720,10 @@ def attn_fwd(
         (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
                           empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH,
                           window_left, CAUSAL, WINDOW, STAGES, PERSISTENT)),
-        (forward_consumer0, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
-                             L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
-                             PERSISTENT)),
-        (forward_consumer1, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
-                             L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
-                             PERSISTENT)),
+        (forward_consumer, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
+                            L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
+                            PERSISTENT, 0)),
+        (forward_consumer, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
+                            L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
+                            PERSISTENT, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip
