@@ -1,8 +1,8 @@
 """Compile the Gluon kernels (_hopper_kernels) for sm_90 without a GPU and print what the compiler made of
 each config: the registers of the launch and those setmaxnreg sets (per partition), shared memory, SASS lines,
 wgmma (HGMMA) instructions and how many of them are waited for (where ptxas serializes them, all),
-local-memory loads and stores (LDL/STL), ptxas's spilled bytes and whether it serialized the wgmmas for want
-of registers (its C7512 note).
+local-memory loads and stores (LDL/STL), ptxas's spilled bytes and its notes that it serialized the wgmmas
+(C7512: too few registers; C7514: another instruction reads an accumulator in flight).
 
 Needs torch (CPU is enough) and triton 3.6 (the GPU machine's version) with its bundled ptxas and
 cuobjdump; a stand-in driver answers for an sm_90 device. The arguments are _hopper's for (2, 4, 512, d)
@@ -105,10 +105,12 @@ def report(compiled, keep: Path | None, stem: str) -> str:
     # A chain of wgmmas waits once, after its last (the one on scoreboard gsb0); where ptxas serializes them
     # (operand registers another wgmma in flight writes), every one carries gsb0.
     hgmma = re.findall(r"HGMMA\.[^;]*;", sass)
+    # ptxas's notes: C7512 too few registers, C7514 another instruction reads an accumulator in flight
+    serialized = re.findall(r"\((C75\d\d)\)[^\n]*wgmma\.mma_async instructions are serialized", ptxas)
     waited = sum("gsb0" in h for h in hgmma)
     return (f"regs {registers} setmaxnreg {setmaxnreg} shared {compiled.metadata.shared} SASS "
             f"{len(sass.splitlines())} HGMMA {len(hgmma)} ({waited} waited) LDL {ldl} STL {stl} spilled "
-            f"{stores}/{loads} B" + ", wgmma serialized" * ("C7512" in ptxas))  # fmt: skip
+            f"{stores}/{loads} B" + "".join(f", wgmma serialized ({n})" for n in serialized))  # fmt: skip
 
 
 def main() -> None:
