@@ -86,10 +86,14 @@ def visible(x, queries, keys, window_left, fill, DIAG: gl.constexpr, EDGE: gl.co
 
 
 @gluon.jit
-def program_items(total, programs, pid):
-    """How many of the `total` work items program pid of `programs` runs (program_item's k < this)."""
+def program_items(total, PERSISTENT: gl.constexpr):
+    """How many of the `total` work items this program runs (program_item's k < this): with PERSISTENT
+    (fewer programs than items) its share, else one (a program an item)."""
+    if not PERSISTENT:
+        return 1
+    programs = gl.num_programs(0)
     rounds = total // programs
-    return rounds + (program_item(rounds, programs, pid) < total).to(gl.int32)
+    return rounds + (program_item(rounds, programs, gl.program_id(0)) < total).to(gl.int32)
 
 
 @gluon.jit
@@ -192,7 +196,7 @@ def loader(
     item. Its ring steps run on across items (the consumers count them alike), so the next item's K and V
     (in the other buffer) and first query tiles load while the consumers finish the current item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    items = program_items(T // BLOCK_N * ZH, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
     for k in range(items):
         base = load_item(
@@ -380,7 +384,7 @@ def consumer(
     completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
     stores have read it. The loader only waits on releases of steps and items before the ones it loads,
     so no wait depends on a later one."""
-    items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    items = program_items(T // BLOCK_N * ZH, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
     for k in range(items):
         base = consume_item(
@@ -529,7 +533,7 @@ def forward_loader(
     its one item. Its ring steps run on across items (the consumers count them alike), so the next item's
     Q (in the other buffer) and first K and V tiles load while the consumers finish the current item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    items = program_items(T // BLOCK_N * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    items = program_items(T // BLOCK_N * ZH, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
     for k in range(items):
         base = forward_load_item(
@@ -661,7 +665,7 @@ def forward_consumer(
     g-th time there (one completion a step from each consumer: both walk the same key tiles), and Q buffer
     k % Q_BUFFERS its (k // Q_BUFFERS)-th time at item k."""
     BN: gl.constexpr = k_ring.shape[1]
-    items = program_items(T // BN * ZH, gl.num_programs(0), gl.program_id(0)) if PERSISTENT else 1
+    items = program_items(T // BN * ZH, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
     for k in range(items):
         base = forward_consume_item(
