@@ -7,6 +7,7 @@ their tuner where they apply (``supports``) and keep the Triton-language kernels
 Forward (``_hopper_kernels.attn_fwd``, decisions.md#gluon-forward): FA3's ping-pong. Two 4-warp consumers
 own 64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
 products; a loader partition streams 128-key tiles of K and V through a ring of mbarrier-guarded stages.
+Like the backward (up to d = 64), it also runs as persistent programs, one an SM (``programs``).
 
 Backward (``_hopper_kernels.attn_bwd``, decisions.md#gluon-backward): ``_kernels.attn_bwd``'s algorithm with
 ATOMIC_DQ. One program owns 128 keys of one (z, h) (two consumer warpgroups of 64), keeps K and V in
