@@ -102,12 +102,12 @@ def report(compiled, keep: Path | None, stem: str) -> str:
     setmaxnreg = sorted({int(x, 16) for x in setmaxnreg})
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas).groups()
     ldl, stl = (len(re.findall(rf"\b{op}\b", sass)) for op in ("LDL", "STL"))
-    # A chain of wgmmas waits once, after its last (the one on scoreboard gsb0); where ptxas serializes them
-    # (operand registers another wgmma in flight writes), every one carries gsb0.
+    # A chain of wgmmas waits once, after its last (the one on scoreboard gsb0); where ptxas serializes them,
+    # every one carries gsb0, and ptxas says why (C7512: too few registers; C7514: another instruction
+    # reads an accumulator in flight).
     hgmma = re.findall(r"HGMMA\.[^;]*;", sass)
-    # ptxas's notes: C7512 too few registers, C7514 another instruction reads an accumulator in flight
-    serialized = re.findall(r"\((C75\d\d)\)[^\n]*wgmma\.mma_async instructions are serialized", ptxas)
     waited = sum("gsb0" in h for h in hgmma)
+    serialized = re.findall(r"\((C75\d\d)\)[^\n]*wgmma\.mma_async instructions are serialized", ptxas)
     return (f"regs {registers} setmaxnreg {setmaxnreg} shared {compiled.metadata.shared} SASS "
             f"{len(sass.splitlines())} HGMMA {len(hgmma)} ({waited} waited) LDL {ldl} STL {stl} spilled "
             f"{stores}/{loads} B" + "".join(f", wgmma serialized ({n})" for n in serialized))  # fmt: skip

@@ -113,6 +113,7 @@ def sdpa_pass(pass_name: str, backend: str | None, q, k, v, grad_out, is_causal:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     leaves = [t.detach().clone().requires_grad_(pass_name == "bwd") for t in (q, k, v)]
+
     def forward():
         with contextlib.nullcontext() if backend is None else sdpa_kernel(getattr(SDPBackend, backend)):
             return F.scaled_dot_product_attention(*leaves, is_causal=is_causal, enable_gqa=True)
@@ -148,7 +149,8 @@ def time_problem(pass_name: str, name: str, failed: dict, rounds: int, rep: floa
             reference = reference or results
             print(f"  {'sdpa ' + label:32s} {sdpa_ms[label]:7.3f}")
     versus = next(iter(sdpa_ms), None)
-    out, lse = triton_forward(q, k, v, is_causal, scale, window=window)
+    if pass_name == "bwd":  # (the forward's default config: every backward candidate starts from it)
+        out, lse = triton_forward(q, k, v, is_causal, scale, window=window)
     times = {}
     for config in candidates(pass_name, tensors, is_causal, left):
         if (pass_name, name, config) in failed:

@@ -7,7 +7,7 @@ their tuner where they apply (``supports``) and keep the Triton-language kernels
 Forward (``_hopper_kernels.attn_fwd``, decisions.md#gluon-forward): FA3's ping-pong. Two 4-warp consumers
 own 64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
 products; a loader partition streams 128-key tiles of K and V through a ring of mbarrier-guarded stages.
-Like the backward (up to d = 64), it also runs as persistent programs, one an SM (``programs``).
+Like the backward (up to d = 64), it also runs as persistent programs, one an SM (``launcher``).
 
 Backward (``_hopper_kernels.attn_bwd``, decisions.md#gluon-backward): ``_kernels.attn_bwd``'s algorithm with
 ATOMIC_DQ. One program owns 128 keys of one (z, h) (two consumer warpgroups of 64), keeps K and V in
@@ -39,7 +39,9 @@ from typing import Any
 
 import torch
 
+from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton._inputs import as_4d
+from flashattn_triton._launcher import Launcher
 from flashattn_triton._tiles import Tiles
 
 # Head dims each kernel compiles for without spills (the backward at d = 128 in 32-row steps, with dQ
@@ -157,7 +159,7 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                  block_m: int, block_n: int, stages: int, is_causal: bool, scale: float,
                  mask_args: dict[str, Any], persistent: bool = False) -> dict[str, Any]:  # fmt: skip
     """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step; mask_args: the
-    plan's (its band). persistent: programs that run several work items (programs) double-buffer Q, so
+    plan's (its band). persistent: programs that run several work items (launcher) double-buffer Q, so
     that the next item's load overlaps the current one's last steps."""
     rows = block_m // 2
     descriptors = {"q": matrix(q, rows), "k": matrix(k, block_n), "v": matrix(v, block_n),
@@ -174,7 +176,7 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
                   persistent: bool = False) -> dict[str, Any]:  # fmt: skip
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
     (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors. persistent: programs that run several
-    work items (programs) double-buffer K and V, so that the next item's load overlaps the
+    work items (launcher) double-buffer K and V, so that the next item's load overlaps the
     current one's last steps."""
     kernels = _gluon()
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
@@ -186,11 +188,13 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
                 **_band_args(is_causal, mask_args))  # fmt: skip
 
 
-def programs(work_items: int, persistent: bool, sm_count: int) -> int:
-    """A Gluon kernel's grid: a program a work item (attn_fwd's query tile or attn_bwd's key tile of a
-    head), or with persistent one program an SM (its shared memory holds one), each running its share of
-    the items (_hopper_kernels.program_item)."""
-    return min(work_items, sm_count) if persistent else work_items
+def launcher(pass_name: str, work_items: int, config: ForwardConfig | BackwardConfig,
+             sm_count: int) -> Launcher:
+    """The Gluon kernel of pass_name over its grid: a program a work item (attn_fwd's query tile or
+    attn_bwd's key tile of a head), or with config.persistent one program an SM (its shared memory holds
+    one), each running its share of the items (_hopper_kernels.program_item)."""
+    grid = min(work_items, sm_count) if config.persistent else work_items
+    return Launcher(kernel(pass_name), (grid,), config)
 
 
 def _head_args(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

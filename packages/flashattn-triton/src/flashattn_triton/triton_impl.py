@@ -173,8 +173,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
             return LaunchPair(Launcher(kernels.attn_fwd, (query_tiles, c.kv_splits), c),
                               Launcher(kernels.attn_fwd_combine, (combine_tiles,)))  # fmt: skip
         if c.hopper:
-            grid = _hopper.programs(query_tiles, c.persistent, plan.problem.sm_count)
-            return Launcher(_hopper.kernel("fwd"), (grid,), c)
+            return _hopper.launcher("fwd", query_tiles, c, plan.problem.sm_count)
         return Launcher(kernels.attn_fwd, (query_tiles,), c)
 
     def args(c: ForwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
@@ -278,12 +277,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         if c.split:
             dq = Launcher(kernels.attn_bwd, (query_tiles * batch * heads,), dq_launch(c))
             return LaunchPair(Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
-        programs = key_tiles if c.atomic_dq else max(key_tiles, query_tiles)
+        programs = (key_tiles if c.atomic_dq else max(key_tiles, query_tiles)) * batch * heads
         if c.hopper:
-            work_items = programs * batch * heads
-            grid = _hopper.programs(work_items, c.persistent, plan.problem.sm_count)
-            return Launcher(_hopper.kernel("bwd"), (grid,), c)
-        return Launcher(kernels.attn_bwd, (programs * batch * heads,), c)
+            return _hopper.launcher("bwd", programs, c, plan.problem.sm_count)
+        return Launcher(kernels.attn_bwd, (programs,), c)
 
     def args(c: BackwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         nonlocal dq_acc
