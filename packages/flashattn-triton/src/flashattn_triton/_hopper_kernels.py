@@ -546,19 +546,26 @@ def forward_loader(
 @gluon.jit
 def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i, qk_scale, q0,
                  window_left, STAGES: gl.constexpr, FIRST: gl.constexpr, DIAG: gl.constexpr,
-                 EDGE: gl.constexpr, ME: gl.constexpr, s_layout: gl.constexpr,
+                 EDGE: gl.constexpr, ME: gl.constexpr, HALF: gl.constexpr,
                  o_layout: gl.constexpr):  # fmt: skip
     """Key tile top - j of the item, the program's ring step g, for consumer ME (query rows from q0),
     masked as visible's DIAG and EDGE say: S = QKᵀ issued on its turn (the other consumer's softmax runs
-    meanwhile), the online softmax update, O = O * alpha + P V. Returns O, m, l."""
+    meanwhile), the online softmax update, O = O * alpha + P V. HALF 1 or 2: only the tile's first or
+    last BLOCK_N / 2 keys, where the other half is hidden from every row of this consumer (half the
+    products and exponentials). Returns O, m, l (m and l in the whole tile's row layout)."""
     BM: gl.constexpr = q_s.shape[0]
-    BN: gl.constexpr = k_ring.shape[1]
+    TILE: gl.constexpr = k_ring.shape[1]
+    BN: gl.constexpr = TILE if HALF == 0 else TILE // 2
+    s_layout: gl.constexpr = mma_layout(gl.num_warps(), BN)
     s_idx = g % STAGES
-    key0 = (top - j) * BN
+    key0 = (top - j) * TILE + (HALF == 2) * BN
     mbarrier.wait(k_ready.index(s_idx), (g // STAGES) & 1)
     mbarrier.wait(turn.index(ME), g & 1)  # my turn: turn[ME]'s g-th completion
-    s_tok = warpgroup_mma(q_s, k_ring.index(s_idx).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout),
-                          use_acc=False, is_async=True)  # fmt: skip
+    k_s = k_ring.index(s_idx)
+    if HALF != 0:
+        k_s = k_s.slice((HALF - 1) * BN, BN)
+    s_tok = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
+                          is_async=True)  # fmt: skip
     mbarrier.arrive(turn.index(1 - ME))
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     # (every row sees its own key, in step 0's diagonal tile: m is finite from there on)
@@ -570,18 +577,25 @@ def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, 
     if FIRST:
         m_new = gl.max(s, 1) * qk_scale
     else:
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_old = m_i
+        if HALF != 0:  # (the same rows a thread, in the half tile's layout)
+            m_old = gl.convert_layout(m_i, rows.type.layout)
+        m_new = gl.maximum(m_old, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_op = gl.convert_layout(p.to(q_s.dtype), a_layout)
+    m_new = gl.convert_layout(m_new, m_i.type.layout)  # (no-ops but with HALF)
     if FIRST:
-        l_new = gl.sum(p, 1)
+        l_new = gl.convert_layout(gl.sum(p, 1), l_i.type.layout)
     else:
         alpha = gl.exp2(m_i - m_new)
-        l_new = l_i * alpha + gl.sum(p, 1)
+        l_new = l_i * alpha + gl.convert_layout(gl.sum(p, 1), l_i.type.layout)
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     mbarrier.wait(v_ready.index(s_idx), (g // STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_ring.index(s_idx), o, use_acc=not FIRST, is_async=True)
+    v_s = v_ring.index(s_idx)
+    if HALF != 0:
+        v_s = v_s.slice((HALF - 1) * BN, BN)
+    o_tok = warpgroup_mma(p_op, v_s, o, use_acc=not FIRST, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
     # Every warp of this consumer retired its reads of stage s_idx: one release (of two) for the loader.
     gl.thread_barrier()
@@ -620,9 +634,11 @@ def forward_consume_item(
     m_i = gl.full([BM], float("-inf"), gl.float32, rows_layout)
     l_i = gl.zeros([BM], gl.float32, rows_layout)
     mbarrier.wait(q_ready.index(qb), (k // Q_BUFFERS) & 1)
+    # Consumer 0's rows see none of the diagonal tile's last BN / 2 keys: under a window, half a step
+    # (decisions.md#gluon-forward-half-steps; under causal alone it slowed the persistent kernel).
     o, m_i, l_i = forward_step(base, 0, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o, m_i, l_i,
-                               qk_scale, first_row, window_left, STAGES, True, CAUSAL, WINDOW, ME, s_layout,
-                               o_layout)  # fmt: skip
+                               qk_scale, first_row, window_left, STAGES, True, CAUSAL, WINDOW, ME,
+                               1 if WINDOW and ME == 0 else 0, o_layout)  # fmt: skip
     # The previous item's O store (from its Q buffer) ran during step 0: every warp past its wait, one
     # release (of two) hands that buffer to the loader, for item k - 1 + Q_BUFFERS.
     tma.store_wait(pendings=0)
@@ -635,12 +651,22 @@ def forward_consume_item(
     for j in range(1, edge):
         o, m_i, l_i = forward_step(base + j, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, o,
                                    m_i, l_i, qk_scale, first_row, window_left, STAGES, False, False, False,
-                                   ME, s_layout, o_layout)  # fmt: skip
+                                   ME, 0, o_layout)  # fmt: skip
     if WINDOW:
-        for j in range(edge, n):
+        for j in range(edge, n - 1):
             o, m_i, l_i = forward_step(base + j, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn,
                                        o, m_i, l_i, qk_scale, first_row, window_left, STAGES, False, False,
-                                       True, ME, s_layout, o_layout)  # fmt: skip
+                                       True, ME, 0, o_layout)  # fmt: skip
+        if edge < n:  # the bottom tile: where its first BN / 2 keys are past every row's reach, half a step
+            j = n - 1
+            if (top - j) * BN + BN // 2 <= first_row - window_left:
+                o, m_i, l_i = forward_step(base + j, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty,
+                                           turn, o, m_i, l_i, qk_scale, first_row, window_left, STAGES, False,
+                                           False, True, ME, 2, o_layout)  # fmt: skip
+            else:
+                o, m_i, l_i = forward_step(base + j, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty,
+                                           turn, o, m_i, l_i, qk_scale, first_row, window_left, STAGES, False,
+                                           False, True, ME, 0, o_layout)  # fmt: skip
     lse = (m_i + gl.log2(l_i)) * _LN2
     gl.store(L + bh * T + first_row + gl.arange(0, BM, layout=rows_layout), lse)
     o = o * gl.expand_dims(gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout)), 1)
