@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
-from flashattn_triton import flash_attention, flash_attention_varlen, torch_impl
+from flashattn_triton import _validation, flash_attention, flash_attention_varlen, torch_impl
 from flashattn_triton._dropout import Dropout, draw_rng, effective_p, kept_scale, philox, threshold
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
@@ -473,6 +473,22 @@ BAD_VARLEN = [
 def test_bad_varlen_input_names_the_argument(message, change):
     with pytest.raises((ValueError, TypeError), match=message):
         varlen_op_arguments(**_packed_args(**change))
+
+
+def test_cu_seqlens_values_are_read_once_until_they_change(monkeypatch):
+    """Reading cu_seqlens syncs a CUDA stream: an unchanged tensor's values are checked once, and again
+    after an in-place change (which is then refused) or against other sizes."""
+    reads = []
+    monkeypatch.setattr(_validation, "cu_seqlens_values", lambda cu: reads.append(cu) or cu.tolist())
+    args = _packed_args()
+    for _ in range(3):
+        varlen_op_arguments(**args)
+    assert len(reads) == 2  # cu_seqlens_q and cu_seqlens_k, once each
+    varlen_op_arguments(**{**args, "max_seqlen_q": 6})
+    assert len(reads) == 3  # cu_seqlens_q again, against its new bound
+    args["cu_seqlens_k"][1] = 9
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0 and be non-decreasing"):
+        varlen_op_arguments(**args)
 
 
 def public_gradients(out: torch.Tensor, leaves, grad_out: torch.Tensor) -> dict:
