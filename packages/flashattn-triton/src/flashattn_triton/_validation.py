@@ -321,12 +321,12 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
             cu.is_cuda and torch.cuda.is_current_stream_capturing()):  # fmt: skip
         return  # the values are data: checked eagerly only (reading them syncs, which a capture forbids)
     # Reading a CUDA tensor's values waits for the GPU: every call of a model's layers would stall the
-    # stream (the packed benchmark's forward took 0.42-0.56 ms a call against its kernel's 0.26). So a
-    # tensor's values are read once, and again only once it has changed (its version counter) or is
-    # checked against other sizes.
-    checked = (cu._version, total, max_seqlen)
-    entry = _CHECKED_CU_SEQLENS.get(id(cu))
-    if entry is not None and entry[0]() is cu and entry[1] == checked:
+    # stream (the packed benchmark's forward took 0.42-0.61 ms a call against its kernel's 0.26). So a
+    # tensor's values are read once for each pair of sizes it is checked against, and again once it has
+    # changed (its version counter).
+    key = (id(cu), total, max_seqlen)
+    entry = _CHECKED_CU_SEQLENS.get(key)
+    if entry is not None and entry[0]() is cu and entry[1] == cu._version:
         return
     values = cu_seqlens_values(cu)
     lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
@@ -338,12 +338,12 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
         raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence in {name}, {max(lengths)}")
     if len(_CHECKED_CU_SEQLENS) >= _MAX_CHECKED:
         _CHECKED_CU_SEQLENS.clear()
-    _CHECKED_CU_SEQLENS[id(cu)] = (weakref.ref(cu), checked)
+    _CHECKED_CU_SEQLENS[key] = (weakref.ref(cu), cu._version)
 
 
-# cu_seqlens tensors whose values passed _check_cu_seqlens, by id(): (a weak reference to the tensor, its
-# (version, total, max_seqlen) then). A few batches' worth: a model's layers share one batch's tensors.
-_CHECKED_CU_SEQLENS: dict[int, tuple[weakref.ref, tuple[int, int, int]]] = {}
+# cu_seqlens tensors whose values passed _check_cu_seqlens, by (id(), total, max_seqlen): a weak reference
+# to the tensor and its version counter then. A few batches' worth: a model's layers share one batch's.
+_CHECKED_CU_SEQLENS: dict[tuple[int, int, int], tuple[weakref.ref, int]] = {}
 _MAX_CHECKED = 64
 
 
