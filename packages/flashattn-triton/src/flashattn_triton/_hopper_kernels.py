@@ -556,14 +556,15 @@ def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, 
     BM: gl.constexpr = q_s.shape[0]
     TILE: gl.constexpr = k_ring.shape[1]
     BN: gl.constexpr = TILE if HALF == 0 else TILE // 2
+    FROM: gl.constexpr = BN if HALF == 2 else 0  # the step's first key in the tile
     s_layout: gl.constexpr = mma_layout(gl.num_warps(), BN)
     s_idx = g % STAGES
-    key0 = (top - j) * TILE + (HALF == 2) * BN
+    key0 = (top - j) * TILE + FROM
     mbarrier.wait(k_ready.index(s_idx), (g // STAGES) & 1)
     mbarrier.wait(turn.index(ME), g & 1)  # my turn: turn[ME]'s g-th completion
     k_s = k_ring.index(s_idx)
     if HALF != 0:
-        k_s = k_s.slice((HALF - 1) * BN, BN)
+        k_s = k_s.slice(FROM, BN)
     s_tok = warpgroup_mma(q_s, k_s.permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_layout), use_acc=False,
                           is_async=True)  # fmt: skip
     mbarrier.arrive(turn.index(1 - ME))
@@ -594,7 +595,7 @@ def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, 
     mbarrier.wait(v_ready.index(s_idx), (g // STAGES) & 1)
     v_s = v_ring.index(s_idx)
     if HALF != 0:
-        v_s = v_s.slice((HALF - 1) * BN, BN)
+        v_s = v_s.slice(FROM, BN)
     o_tok = warpgroup_mma(p_op, v_s, o, use_acc=not FIRST, is_async=True)
     o = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
     # Every warp of this consumer retired its reads of stage s_idx: one release (of two) for the loader.
