@@ -42,6 +42,7 @@ def check_device(q: torch.Tensor) -> None:
             "interpreter"
         )
     if not _launcher.interpreted():
+        _launcher.kernels()  # (without Triton, its error says how to install it)
         raise RuntimeError(
             "TRITON_INTERPRET=1 was set after flashattn_triton's Triton kernels were built for the GPU, so "
             "they cannot run on CPU tensors in this process; set it before the first call (or use "

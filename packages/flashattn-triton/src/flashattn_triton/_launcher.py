@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib.util
 import inspect
 import operator
 import threading
@@ -48,9 +49,16 @@ def kernels() -> ModuleType:
     return _kernels
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton is installed (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def interpreted() -> bool:
-    """Whether the kernels were built for the interpreter (decided when they were first imported)."""
-    return type(kernels().attn_fwd).__name__ == "InterpretedFunction"
+    """Whether the kernels were built for the interpreter (decided when they were first imported); without
+    Triton, built for neither: False (planning still runs, _inputs.check_device refuses the call)."""
+    return triton_available() and type(kernels().attn_fwd).__name__ == "InterpretedFunction"
 
 
 @functools.cache

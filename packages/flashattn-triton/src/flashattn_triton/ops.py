@@ -59,7 +59,6 @@ exported, fake, meta and transformed calls, and calls under a dispatch mode, go 
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -87,20 +86,16 @@ def _operator(name: str, implementation: Callable, fake: Callable) -> torch._ops
     return getattr(torch.ops.flashattn_triton, name).default
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def uses_triton(device: torch.device) -> bool:
     """Whether the ops run the Triton kernels for tensors on `device`: on CUDA where Triton is installed,
     on CPU under TRITON_INTERPRET=1."""
     if device.type == "cuda":
-        if _triton_available():
+        if _launcher.triton_available():
             return True
         warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
                       RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
-    return device.type == "cpu" and _inputs.interpret_requested() and _triton_available()
+    return device.type == "cpu" and _inputs.interpret_requested() and _launcher.triton_available()
 
 
 def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
