@@ -171,7 +171,9 @@ HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
 HOPPER_BACKWARD = {
     64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
          B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
-    128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True)],
+    128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
+          B(64, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True),
+          B(64, 128, 8, 3, atomic_dq=True, max_registers=168, hopper=True)],
 }
 
 

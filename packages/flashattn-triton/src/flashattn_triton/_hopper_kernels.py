@@ -211,9 +211,32 @@ def step(
     g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
     empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
+):  # fmt: skip
+    """The program's step g in the consumers' form: query_major_step's, or transposed_step's."""
+    if QUERY_MAJOR:
+        dk, dv = query_major_step(
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
+            BLOCK_N, BLOCK_D, s_layout,
+        )  # fmt: skip
+    else:
+        dk, dv = transposed_step(
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
+            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+        )  # fmt: skip
+    return dk, dv
+
+
+@gluon.jit
+def transposed_step(
+    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
+    empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
 ):  # fmt: skip
-    """The program's step g, of the consumer warpgroups: the query tile from row first + g * BLOCK_M of
+    """The program's step g, of the consumer warpgroups, with the scores transposed (keys are the rows): the query tile from row first + g * BLOCK_M of
     the head, with K and V of buffer kb, masked as visible's DIAG and EDGE say; returns dK and dV (dK
     still in flight). dS^T: a buffer of one (ds_one).
 
@@ -221,7 +244,8 @@ def step(
     over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
     is below wgmma's 64 rows a warpgroup). Its operands come from K and dS^T indexed with step_zero: hoisted
     out of the loop, the 16 descriptors held 32 registers and the kernel spilled (at 64-row steps d = 128
-    spills and serializes its wgmmas anyway: S, dP, dK and dV leave too few registers)."""
+    spills and serializes its wgmmas anyway: S, dP, dK and dV leave too few registers; see
+    query_major_step)."""
     TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
     zero = step_zero(g)
     made_here = kb + zero  # buffer kb, its wgmma descriptors made in the step
@@ -293,12 +317,78 @@ def step(
 
 
 @gluon.jit
+def query_major_step(
+    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, p_ds, dq_ring, ready,
+    empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    s_layout: gl.constexpr,
+):  # fmt: skip
+    """step's work in FA3's form, for 64-row steps at d = 128 (decisions.md#gluon-backward-query-major):
+    the scores untransposed, S = Q K^T in s_layout ([BLOCK_M, BLOCK_N], the warpgroups split the keys),
+    so that L and D are two registers a thread rather than 16 each; P and dS go through shared memory
+    (p_ds: [2, BLOCK_M, BLOCK_N]), where dV += P^T dO, dK += dS^T Q and dQ = dS K read them. dQ has
+    s_layout too (BLOCK_D = BLOCK_N). Returns dK and dV, dK still in flight. Every operand buffer is
+    indexed with step_zero, as transposed_step's dQ^T operands are: hoisted, their wgmma descriptors
+    spilled 312 bytes."""
+    zero = step_zero(g)
+    k_smem = k_bufs.index(kb + zero)
+    v_smem = v_bufs.index(kb + zero)
+    p_smem = p_ds.index(zero)
+    ds_smem = p_ds.index(1 + zero)
+    s = g % STAGES
+    m0 = first + g * BLOCK_M
+    dtype: gl.constexpr = k_smem.dtype
+    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+    q_s = q_ring.index(s)
+    do_s = do_ring.index(s)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_qk = warpgroup_mma(q_s, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_s, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    l2 = l_ring.index(s).load(rows) * _LOG2E
+    delta = dl_ring.index(s).load(rows)
+    # In flight, oldest first: dK(g-1), S(g), dP(g). Down to one retires dK(g-1), the last reader of Q(g-1)
+    # and dS(g-1) (dV(g-1), the last of dO(g-1) and P(g-1), and dQ(g-1) retired in step g-1), and S(g).
+    s_qk = warpgroup_mma_wait(num_outstanding=1, deps=[s_qk])
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
+
+    p = gl.exp2(s_qk * qk_scale - gl.expand_dims(l2, 1))
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    queries = m0 + gl.arange(0, BLOCK_M, layout=rows)
+    p = visible(p, gl.expand_dims(queries, 1), gl.expand_dims(keys, 0), window_left, 0.0, DIAG, EDGE)
+    # P and dS: writes by the generic proxy read by wgmma (async proxy), a fence by every writer, then a
+    # barrier (dQ reads both warpgroups' dS).
+    p_smem.store(p.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp])  # (dV(g) runs on)
+    ds_smem.store((p * (dp - gl.expand_dims(delta, 1))).to(dtype))
+    fence_async_shared()
+    # dQ's buffer (one) is written below: the previous step's reduction must have read it.
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()
+    dq = warpgroup_mma(ds_smem, k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32, s_layout), use_acc=False,
+                       is_async=True)  # fmt: skip
+    dk = warpgroup_mma(ds_smem.permute((1, 0)), q_s, dk, is_async=True)
+    # In flight: dV(g), dQ(g), dK(g). Down to one retires dV(g) and dQ(g); dK(g) runs on.
+    dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
+    dq_buf = dq_ring.index(0)
+    dq_buf.store(dq * scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_buf)
+    return dk, dv
+
+
+@gluon.jit
 def consume_item(
     k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
     kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale, scale,
     window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr,
+    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
 ):  # fmt: skip
     """The consumers' work for this program's k-th work item (program_item), whose steps follow the
     program's `base` earlier ones: the diagonal steps masked (under causal; else step 0 alone, unmasked),
@@ -324,25 +414,28 @@ def consume_item(
             base + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
             dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
             BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+            QUERY_MAJOR,
         )  # fmt: skip
     for g in range(base + UNROLLED, base + FIRST):
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
             ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
             BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+            QUERY_MAJOR,
         )  # fmt: skip
     for g in range(base + FIRST, base + edge):
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
             ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M,
             BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+            QUERY_MAJOR,
         )  # fmt: skip
     if WINDOW:
         for g in range(base + edge, base + n):
             dk, dv = step(
                 g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
                 dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True,
-                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
     # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
@@ -372,7 +465,7 @@ def consumer(
     dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale, scale,
     window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr, PERSISTENT: gl.constexpr,
+    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """The compute partition: consume_item for each work item of this program (PERSISTENT), or for its
     one item.
@@ -391,7 +484,7 @@ def consumer(
             k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
             kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH,
             qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
-            d_layout, q_layout,
+            d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
 
 
@@ -419,9 +512,11 @@ def attn_bwd(
     gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
     gl.static_assert(BLOCK_N % BLOCK_M == 0)
     gl.static_assert(BLOCK_D == BLOCK_N or BLOCK_M == 64, "dQ = dS K takes 64-row steps (a warpgroup's)")
-    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M)
+    # 64-row steps at d = 128 take query_major_step's form (its registers fit), the others step's
+    QUERY_MAJOR: gl.constexpr = BLOCK_M == 64 and BLOCK_D == BLOCK_N
     d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
     q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
+    s_layout: gl.constexpr = q_layout if QUERY_MAJOR else mma_layout(NUM_WARPS, BLOCK_M)
 
     dtype: gl.constexpr = k_desc.dtype
     KV_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
@@ -432,9 +527,14 @@ def attn_bwd(
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
     dl_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
-    ds_one = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-    dq_ring = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    if QUERY_MAJOR:  # P and dS; one dQ buffer (two would pass the shared memory at 2 stages)
+        ds_one = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        dq_ring = gl.allocate_shared_memory(gl.float32, [1] + dq_desc.block_type.shape, dq_desc.layout)
+    else:  # dS^T
+        ds_one = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
+        dq_ring = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -453,7 +553,7 @@ def attn_bwd(
         (consumer, (k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
                     kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH,
                     qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
-                    s_layout, d_layout, q_layout, PERSISTENT)),
+                    s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT)),
         (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
                   v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
                   v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
