@@ -13,6 +13,7 @@ bf16 inputs.
     PYTHONPATH=src python scripts/compile_gluon_sm90.py bwd:64/128/8/4 --dims 64 --persistent
     PYTHONPATH=src python scripts/compile_gluon_sm90.py fwd:128/128/4/2 --window 200 --keep /tmp/sm90
     PYTHONPATH=src python scripts/compile_gluon_sm90.py fwd:128/128/4/2 --persistent
+    PYTHONPATH=src python scripts/compile_gluon_sm90.py bwd:64/128/8/2 --dims 128 --full --per-kv-head
 
 A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES: the backward's query rows a step, keys a program, consumer
 warps (BLOCK_N / 16) and ring stages; the forward's query rows a program (two consumers of half), keys a
@@ -76,11 +77,12 @@ def kernel_args(pass_name: str, numbers: list[int], head_dim: int, args: argpars
         made = _hopper.forward_args(q, k, v, out, lse, block_m, block_n, stages, not args.full, 0.1,
                                     mask_args, args.persistent)  # fmt: skip
     else:
-        dk, dv = tensor(HEADS, head_dim, args.layout), tensor(HEADS, head_dim, args.layout)
+        dkv_heads = args.kv_heads if args.per_kv_head else HEADS
+        dk, dv = tensor(dkv_heads, head_dim, args.layout), tensor(dkv_heads, head_dim, args.layout)
         dq_sum = torch.zeros(BATCH, HEADS, SEQLEN, head_dim)
         made = _hopper.backward_args(q, k, v, out, dk, dv, dq_sum, lse, torch.zeros_like(lse), block_m,
-                                     block_n, stages, not args.full, 0.1, mask_args,
-                                     args.persistent)  # fmt: skip
+                                     block_n, stages, not args.full, 0.1, mask_args, args.persistent,
+                                     args.per_kv_head)  # fmt: skip
     return {name: x.descriptor() if hasattr(x, "descriptor") else x for name, x in made.items()}
 
 
@@ -123,6 +125,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=("bhtd", "bthd"), default="bhtd", help="the tensors' memory")
     parser.add_argument("--persistent", action="store_true",
                         help="persistent programs (several work items each)")
+    parser.add_argument("--per-kv-head", action="store_true",
+                        help="the backward's programs a K/V head's key tile (through its query heads)")
     parser.add_argument("--keep", type=Path, help="a directory for each build's PTX and SASS")
     args = parser.parse_args()
     driver.set_active(Sm90Driver())

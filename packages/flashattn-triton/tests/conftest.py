@@ -188,7 +188,7 @@ def hopper_configs(monkeypatch):
 
     def configs(pass_name: str, head_dim: int):
         own_count, own_plans = triton_impl._sm_count, triton_impl._plans  # (the test's, when it asks)
-        for config in _configs.hopper_candidates(pass_name, head_dim):
+        for config in _configs.hopper_candidates(pass_name, head_dim, per_kv_head=True):
             for sm_count in (None, *FEW_SMS) if config.persistent else (None,):
                 few = (lambda device, n=sm_count: n) if sm_count is not None else None
                 monkeypatch.setattr(triton_impl, "_sm_count", few or own_count)

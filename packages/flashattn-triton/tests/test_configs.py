@@ -24,6 +24,10 @@ def test_hopper_config_must_fit_the_kernel():
         BackwardConfig(64, 128, 8, 1, atomic_dq=True, hopper=True)
     with pytest.raises(ValueError, match="hopper=True"):
         BackwardConfig(64, 128, 8, 2, atomic_dq=True, persistent=True)
+    with pytest.raises(ValueError, match="a program a K/V head"):
+        BackwardConfig(64, 128, 8, 2, atomic_dq=True, per_kv_head=True)
+    with pytest.raises(ValueError, match="not persistent"):
+        BackwardConfig(64, 128, 8, 2, atomic_dq=True, hopper=True, persistent=True, per_kv_head=True)
 
 
 def test_hopper_forward_config_must_fit_the_kernel():
@@ -36,7 +40,8 @@ def test_hopper_forward_config_must_fit_the_kernel():
 
 
 def test_hopper_configs_step_down_to_the_triton_kernels():
-    for backward in (c for row in HOPPER_BACKWARD.values() for c in row):
+    rows = (*HOPPER_BACKWARD.values(), *_configs.HOPPER_BACKWARD_PER_KV_HEAD.values())
+    for backward in (c for row in rows for c in row):
         assert smaller(backward) == BackwardConfig(backward.block_m, backward.block_n, backward.num_warps,
                                                    backward.num_stages, atomic_dq=True)  # fmt: skip
     for forward in HOPPER_FORWARD:
@@ -49,6 +54,8 @@ def test_described_configs_name_the_hopper_kernel():
     assert _planning.describe(HOPPER_BACKWARD[64][0]) == "64/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_BACKWARD[64][1]) == "64/128/8/4/1/168 hopper persistent"
+    per_kv_head = _configs.HOPPER_BACKWARD_PER_KV_HEAD[128][0]
+    assert _planning.describe(per_kv_head) == "64/128/8/2/1/168 hopper per_kv_head"
     assert _planning.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
     assert _planning.describe(HOPPER_FORWARD[1]) == "128/128/4/2/168 hopper persistent"
     config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)

@@ -152,8 +152,9 @@ def test_dropout_problems_run_no_gluon_kernels_and_small_ones_add_no_dq_atomical
 
 def test_hopper_backward_candidates_follow_the_default_with_the_head_dims_own():
     """The Gluon backward's candidates come after the Triton-language default, those of its head dim: at
-    d = 128 32-row steps (what compiles without spills), below it 64-row steps (d <= 64 shares 64's)."""
-    for head_dim, steps in ((128, {32}), (64, {64}), (32, {64}), (16, {64})):
+    d = 128 32-row steps (transposed scores) and 64-row ones (query-major), below it 64-row steps (d <= 64
+    shares 64's)."""
+    for head_dim, steps in ((128, {32, 64}), (64, {64}), (32, {64}), (16, {64})):
         problem = Problem("bwd", 32, 4096, 4096, head_dim, torch.bfloat16, True, "tf32", 132, hopper=True,
                           group=8)  # fmt: skip
         listed = candidates(problem)
@@ -161,6 +162,17 @@ def test_hopper_backward_candidates_follow_the_default_with_the_head_dims_own():
         assert not listed[0].hopper and gluon == listed[-len(gluon):], head_dim
         assert {c.block_m for c in gluon} == steps and all(c.block_n == 128 for c in gluon), head_dim
         assert not any(c.hopper for c in candidates(dataclasses.replace(problem, hopper=False)))
+
+
+def test_programs_a_kv_head_are_offered_to_grouped_problems_without_causal_masks():
+    """A program a K/V head's key tile runs its group's query heads in turn: offered (the query-major
+    d = 128 kernels) where every key tile has the same work, so grouped-query attention without a causal
+    mask or band, and never with groups of one."""
+    full = Problem("bwd", 32, 4096, 4096, 128, torch.bfloat16, False, "tf32", 132, hopper=True, group=8)
+    per_kv_head = [c for c in candidates(full) if c.per_kv_head]
+    assert per_kv_head and all(c.hopper and not c.persistent and c.block_m == 64 for c in per_kv_head)
+    for other in (dict(is_causal=True), dict(band_span=1024), dict(group=1), dict(head_dim=64)):
+        assert not any(c.per_kv_head for c in candidates(dataclasses.replace(full, **other))), other
 
 
 def test_grouped_problems_are_offered_hopper_kernels_where_supported_and_tune_apart():

@@ -73,6 +73,9 @@ class BackwardConfig:
     # The Gluon kernel in persistent programs (one an SM) that each run several key tiles one after
     # another, the next one's loads overlapping the current one's last steps and dK/dV stores.
     persistent: bool = False
+    # The Gluon kernel with a program a K/V head's key tile, through its group's query heads one after
+    # another (grouped-query attention): dK and dV summed in the program, not after.
+    per_kv_head: bool = False
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
@@ -90,6 +93,9 @@ class BackwardConfig:
                              "warp 16 keys (num_warps = block_n / 16) and needs num_stages >= 2")
         if self.persistent and not self.hopper:
             raise ValueError(f"{self}: persistent programs are the Gluon kernel's (hopper=True)")
+        if self.per_kv_head and not (self.hopper and not self.persistent):
+            raise ValueError(f"{self}: a program a K/V head is the Gluon kernel's (hopper=True), not "
+                             "persistent")
         if self.atomic_dq and (self.transposed_grads or self.split):
             raise ValueError(f"{self}: transposed_grads and split change the dQ phase, which atomic_dq skips")
 
@@ -163,7 +169,8 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 # _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
 # cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
 # backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
-# time, the most that compile without spills (decisions.md#gluon-backward-128). Up to d = 64 also in
+# time with transposed scores (decisions.md#gluon-backward-128), or 64 in FA3's query-major form with 2
+# or 3 stages (231 KB of shared memory; decisions.md#gluon-backward-query-major). Up to d = 64 also in
 # persistent programs (K and V double-buffered, 182 KB of shared memory); at d = 128 they need 2 stages
 # (206 KB), and 2 stages lost there, persistent or not (decisions.md#gluon-backward-persistent).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
@@ -175,12 +182,21 @@ HOPPER_BACKWARD = {
           B(64, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True),
           B(64, 128, 8, 3, atomic_dq=True, max_registers=168, hopper=True)],
 }
+# Programs a K/V head's key tile, through its group's query heads (grouped-query attention without causal
+# masks: decisions.md#gqa-per-kv-head): the 64-row d = 128 kernels; elsewhere the loop over the heads
+# spilled 96-224 bytes.
+HOPPER_BACKWARD_PER_KV_HEAD = {128: [replace(c, per_kv_head=True) for c in HOPPER_BACKWARD[128][1:]]}
 
 
-def hopper_candidates(pass_name: str, block_d: int) -> list[ForwardConfig | BackwardConfig]:
+def hopper_candidates(pass_name: str, block_d: int,
+                      per_kv_head: bool = False) -> list[ForwardConfig | BackwardConfig]:
     """The Gluon kernel's candidates for pass_name ("fwd" or "bwd") at head dim block_d (one
-    _hopper.supports takes)."""
-    return list(HOPPER_FORWARD) if pass_name == "fwd" else list(HOPPER_BACKWARD[max(block_d, 64)])
+    _hopper.supports takes); with per_kv_head, the backward's programs of one a tile also as programs a
+    K/V head's tile (grouped-query attention: decisions.md#gqa-per-kv-head)."""
+    if pass_name == "fwd":
+        return list(HOPPER_FORWARD)
+    own = max(block_d, 64)
+    return HOPPER_BACKWARD[own] + (HOPPER_BACKWARD_PER_KV_HEAD.get(own, []) if per_kv_head else [])
 
 
 def dq_launch(config: BackwardConfig) -> BackwardConfig:
@@ -194,7 +210,8 @@ def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardC
     Hopper kernel steps down to the Triton-language kernel: its ring needs two stages; a split backward's
     dQ launch first takes the dK/dV launch's steps and stages)."""
     if config.hopper:
-        return replace(config, hopper=False, max_registers=None, persistent=False)
+        kernel_only = {"per_kv_head": False} if isinstance(config, BackwardConfig) else {}
+        return replace(config, hopper=False, max_registers=None, persistent=False, **kernel_only)
     if getattr(config, "dq_block_m", None) or getattr(config, "dq_stages", None):
         return replace(config, dq_block_m=None, dq_stages=None)
     if config.num_stages > 1:

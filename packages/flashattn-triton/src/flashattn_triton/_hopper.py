@@ -172,19 +172,24 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
-                  scale: float, mask_args: dict[str, Any],
-                  persistent: bool = False) -> dict[str, Any]:  # fmt: skip
-    """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head; dq_acc: float32
-    (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors. persistent: programs that run several
-    work items (launcher) double-buffer K and V, so that the next item's load overlaps the
-    current one's last steps."""
+                  scale: float, mask_args: dict[str, Any], persistent: bool = False,
+                  per_kv_head: bool = False) -> dict[str, Any]:  # fmt: skip
+    """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head, or with
+    per_kv_head per K/V head; dq_acc: float32 (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors.
+    persistent: programs that run several work items (launcher) double-buffer K and V, so that the next
+    item's load overlaps the current one's last steps. per_kv_head: a work item is a K/V head's key tile,
+    through its group of query heads (work_items)."""
     kernels = _gluon()
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "do": matrix(grad_out, block_m), "dk": matrix(dk, block_n), "dv": matrix(dv, block_n)}
-    return dict(**_descriptor_args(descriptors), **_head_args(q, k), dq_desc=matrix(dq_acc, block_m)[0],
+    head_args = _head_args(q, k)
+    if per_kv_head:
+        head_args["ZH"] = head_args["ZH"] // head_args["group"]
+    return dict(**_descriptor_args(descriptors), **head_args, dq_desc=matrix(dq_acc, block_m)[0],
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
                 dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
-                scale=scale, STAGES=stages, PERSISTENT=persistent, LOADER_REGS=LOADER_REGISTERS,
+                scale=scale, STAGES=stages, PERSISTENT=persistent, PER_KV_HEAD=per_kv_head,
+                LOADER_REGS=LOADER_REGISTERS,
                 **_band_args(is_causal, mask_args))  # fmt: skip
 
 

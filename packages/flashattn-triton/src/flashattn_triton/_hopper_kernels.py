@@ -131,6 +131,21 @@ def work_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constex
 
 
 @gluon.jit
+def item_heads(bh, H, group, PER_KV_HEAD: gl.constexpr):
+    """The heads of work item bh's (work_item's): its batch element z, first query head, K/V head and
+    number of query heads. An item is a query head's (H of them a batch element), or with PER_KV_HEAD a
+    K/V head's (H / group), through its group's query heads one after another."""
+    if PER_KV_HEAD:
+        kv_heads = H // group
+        z = bh // kv_heads
+        kv_head = bh % kv_heads
+        return z, kv_head * group, kv_head, group
+    z = bh // H
+    h = bh % H
+    return z, h, h // group, 1
+
+
+@gluon.jit
 def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, q_row, q_col,
               do_row, do_col, l_row, g, STAGES: gl.constexpr):  # fmt: skip
     """Q, dO, L and D of the program's step g (BLOCK_M rows from each row given) into ring stage
@@ -154,34 +169,51 @@ def load_item(
     k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
     v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr,
     do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
     """The loader's work for this program's k-th work item (program_item), whose steps follow the
     program's `base` earlier ones: its K and V tiles into buffer k % KV_BUFFERS, once the consumers
     released that buffer's previous item (item k - KV_BUFFERS) on kv_empty ((k // KV_BUFFERS)-th
-    completion, parity as load_step's), then the query tiles of its steps (load_step). Returns the
-    program's steps up to the item's end."""
+    completion, parity as load_step's), then the query tiles of its steps (load_step), each query head's
+    (item_heads) in turn. Returns the program's steps up to the item's end."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
     item = program_item(k, gl.num_programs(0), gl.program_id(0))
     key0, bh, lo, n, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    z = bh // H
-    h = bh % H
+    z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
     kb = k % KV_BUFFERS
     kv_bar = kv_ready.index(kb)
     mbarrier.wait(kv_empty.index(kb), ((k // KV_BUFFERS) & 1) ^ 1)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    k_row, k_col = head_start(z, h // group, k_zr, k_hr, k_hc)
-    v_row, v_col = head_start(z, h // group, v_zr, v_hr, v_hc)
+    k_row, k_col = head_start(z, kv_head, k_zr, k_hr, k_hc)
+    v_row, v_col = head_start(z, kv_head, v_zr, v_hr, v_hc)
     tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], kv_bar, k_bufs.index(kb))
     tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], kv_bar, v_bufs.index(kb))
+    first_row = (z * H + h0) * T if PER_KV_HEAD else bh * T  # (the same: the simpler where it is)
+    base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, z,
+                     h0, first_row, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES,
+                     BLOCK_M)  # fmt: skip
+    if PER_KV_HEAD:
+        for h in range(h0 + 1, h0 + heads):
+            base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready,
+                             empty, z, h, (z * H + h) * T, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr,
+                             do_hc, STAGES, BLOCK_M)  # fmt: skip
+    return base
+
+
+@gluon.jit
+def load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, z, h, bh_row,
+              lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES: gl.constexpr,
+              BLOCK_M: gl.constexpr):  # fmt: skip
+    """The query tiles of query head (z, h)'s n steps of a work item, from the program's step `base` on
+    (load_step), its L and D rows from bh_row. Returns the program's steps up to their end."""
     q_row, q_col = head_start(z, h, q_zr, q_hr, q_hc)
     do_row, do_col = head_start(z, h, do_zr, do_hr, do_hc)
     first = lo - base * BLOCK_M  # the query rows of the program's step g: first + g * BLOCK_M
     for g in range(base, base + n):
         row = first + g * BLOCK_M
         load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty,
-                  q_row + row, q_col, do_row + row, do_col, bh * T + row, g, STAGES)  # fmt: skip
+                  q_row + row, q_col, do_row + row, do_col, bh_row + row, g, STAGES)  # fmt: skip
     return base + n
 
 
@@ -190,7 +222,7 @@ def loader(
     q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs, v_bufs, ready,
     empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T,
     H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr,
+    BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: load_item for each work item of this program (PERSISTENT), or for its one
     item. Its ring steps run on across items (the consumers count them alike), so the next item's K and V
@@ -203,6 +235,7 @@ def loader(
             k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
             k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
             v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
+            PER_KV_HEAD,
         )  # fmt: skip
 
 
@@ -236,9 +269,9 @@ def transposed_step(
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
 ):  # fmt: skip
-    """The program's step g, of the consumer warpgroups, with the scores transposed (keys are the rows): the query tile from row first + g * BLOCK_M of
-    the head, with K and V of buffer kb, masked as visible's DIAG and EDGE say; returns dK and dV (dK
-    still in flight). dS^T: a buffer of one (ds_one).
+    """The program's step g, of the consumer warpgroups, with the scores transposed (keys are the rows):
+    the query tile from row first + g * BLOCK_M of the head, with K and V of buffer kb, masked as
+    visible's DIAG and EDGE say; returns dK and dV (dK still in flight). dS^T: a buffer of one (ds_one).
 
     Where d = BLOCK_N (d = 128 at 8 warps), dQ is computed transposed, dQ^T = K^T dS^T: its d rows split
     over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
@@ -383,59 +416,86 @@ def query_major_step(
 
 
 @gluon.jit
-def consume_item(
-    k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
-    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale, scale,
-    window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
+def consume_head(
+    g0, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+    ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
 ):  # fmt: skip
-    """The consumers' work for this program's k-th work item (program_item), whose steps follow the
-    program's `base` earlier ones: the diagonal steps masked (under causal; else step 0 alone, unmasked),
-    up to two unrolled and the rest in a loop, then the steps that see every key in a loop, then (a
-    window's) those from step `edge` on that lose keys at its far edge, then dK and dV out through TMA
-    (K's and V's buffers stage them), and the K/V buffer back to the loader on kv_empty. Returns the
-    program's steps up to the item's end. Peeling step 0 keeps ptxas from serializing every wgmma: a loop
-    that may run zero times would feed zero-initialised accumulators into the epilogue's wait. Four
-    unrolled diagonal steps (32-row steps) spilled at d = 128."""
+    """One query head's n steps of a work item (work_item's key0, lo, n, edge), from the program's step g0
+    on, its L, D and dQ rows from bh_row: the diagonal steps masked (under causal; else step 0 alone,
+    unmasked), up to two unrolled and the rest in a loop, then the steps that see every key in a loop,
+    then (a window's) those from step `edge` on that lose keys at its far edge. Returns dK and dV (dK
+    still in flight). Peeling step 0 keeps ptxas from serializing every wgmma: a loop that may run zero
+    times would feed zero-initialised accumulators into the epilogue's wait. Four unrolled diagonal steps
+    (32-row steps) spilled at d = 128."""
     FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
     UNROLLED: gl.constexpr = FIRST if FIRST <= 2 else 1
-    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
-    item = program_item(k, gl.num_programs(0), gl.program_id(0))
-    key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    first = lo - base * BLOCK_M  # the query rows of step g: first + g * BLOCK_M
-    bh_row = bh * T  # this head's first row of L, D and dQ's sum
-    kb = k % KV_BUFFERS
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
-    mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
+    first = lo - g0 * BLOCK_M  # the query rows of step g: first + g * BLOCK_M
     for i in gl.static_range(UNROLLED):
         dk, dv = step(
-            base + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
+            g0 + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
             dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
-            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
-            QUERY_MAJOR,
+            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
-    for g in range(base + UNROLLED, base + FIRST):
+    for g in range(g0 + UNROLLED, g0 + FIRST):
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
             ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
-            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
-            QUERY_MAJOR,
+            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
-    for g in range(base + FIRST, base + edge):
+    for g in range(g0 + FIRST, g0 + edge):
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
             ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M,
-            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
-            QUERY_MAJOR,
+            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
     if WINDOW:
-        for g in range(base + edge, base + n):
+        for g in range(g0 + edge, g0 + n):
             dk, dv = step(
                 g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
                 dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True,
                 STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+            )  # fmt: skip
+    return dk, dv
+
+
+@gluon.jit
+def consume_item(
+    k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
+    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
+    qk_scale, scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
+    d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+):  # fmt: skip
+    """The consumers' work for this program's k-th work item (program_item), whose steps follow the
+    program's `base` earlier ones: consume_head for each of its query heads (item_heads), then dK and dV
+    out through TMA to its head (a K/V head's with PER_KV_HEAD; K's and V's buffers stage them), and the
+    K/V buffer back to the loader on kv_empty. Returns the program's steps up to the item's end."""
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+    item = program_item(k, gl.num_programs(0), gl.program_id(0))
+    key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    kb = k % KV_BUFFERS
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
+    # A loop over all heads serialized every wgmma (C7515: moves define the accumulators): head 0 peeled.
+    # item_heads is called where its numbers are used: held across the steps, they changed every build's
+    # registers (the first row as the loader's).
+    z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
+    first_row = (z * H + h0) * T if PER_KV_HEAD else bh * T
+    dk, dv = consume_head(
+        base, first_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
+        dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
+        BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+    )  # fmt: skip
+    if PER_KV_HEAD:
+        for j in range(1, heads):
+            dk, dv = consume_head(
+                base + j * n, (z * H + h0 + j) * T, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring,
+                l_ring, dl_ring, ds_one, dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale,
+                window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
+                q_layout, QUERY_MAJOR,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
     # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
@@ -447,8 +507,10 @@ def consume_item(
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    dk_row, dk_col = head_start(bh // H, bh % H, dk_zr, dk_hr, dk_hc)
-    dv_row, dv_col = head_start(bh // H, bh % H, dv_zr, dv_hr, dv_hc)
+    z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
+    out_head = kv_head if PER_KV_HEAD else h0
+    dk_row, dk_col = head_start(z, out_head, dk_zr, dk_hr, dk_hc)
+    dv_row, dv_col = head_start(z, out_head, dv_zr, dv_hr, dv_hc)
     tma.async_copy_shared_to_global(dk_desc, [dk_row + key0, dk_col], k_smem)
     tma.async_copy_shared_to_global(dv_desc, [dv_row + key0, dv_col], v_smem)
     # Both stores have read the buffers: every warp's wait done, one arrival hands them to the loader
@@ -456,16 +518,16 @@ def consume_item(
     tma.store_wait(pendings=0)
     gl.thread_barrier()
     mbarrier.arrive(kv_empty.index(kb))
-    return base + n
+    return base + heads * n
 
 
 @gluon.jit
 def consumer(
     k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready, kv_empty,
-    dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH, qk_scale, scale,
+    dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale,
     window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
+    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
     """The compute partition: consume_item for each work item of this program (PERSISTENT), or for its
     one item.
@@ -482,9 +544,9 @@ def consumer(
     for k in range(items):
         base = consume_item(
             k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
-            kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH,
-            qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout,
-            d_layout, q_layout, QUERY_MAJOR,
+            kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H,
+            group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
+            s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
         )  # fmt: skip
 
 
@@ -494,15 +556,18 @@ def attn_bwd(
     k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
     qk_scale, scale, window_left,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    LOADER_REGS: gl.constexpr,
+    PER_KV_HEAD: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
-    """Work items: the T / BLOCK_N * Z * H (key tile, head) pairs, heaviest first (key tile 0 of every
-    head, then tile 1, ...; work_item). Grid: one program an item, or with PERSISTENT fewer (one an SM),
-    each running the items program_item gives it one after another, K and V in two buffers: the loader
-    loads the next item's K, V and first query tiles while the consumers finish the current one. Head
+    """Work items: the T / BLOCK_N * ZH (key tile, head) pairs, heaviest first (key tile 0 of every head,
+    then tile 1, ...; work_item): ZH = Z * H query heads, or with PER_KV_HEAD Z * H / group K/V heads, an
+    item running its group's query heads one after another (item_heads). Grid: one program an item, or
+    with PERSISTENT fewer (one an SM), each running the items program_item gives it one after another, K
+    and V in two buffers: the loader loads the next item's K, V and first query tiles while the consumers
+    finish the current one. Head
     (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr,
     _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h
-    go to head h of dk_desc and dv_desc (per query head: the caller sums each group's). dq_desc: a float32
+    go to head h of dk_desc and dv_desc (per query head: the caller sums each group's), with PER_KV_HEAD
+    to its K/V head's. dq_desc: a float32
     (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,). WINDOW (with CAUSAL): a query also sees no key
     more than window_left before it."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -550,14 +615,14 @@ def attn_bwd(
     gl.thread_barrier()
 
     gl.warp_specialize([
-        (consumer, (k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
-                    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, ZH,
-                    qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
-                    s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT)),
+        (consumer, (k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
+                    kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc,
+                    T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
+                    BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT, PER_KV_HEAD)),
         (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
                   v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
                   v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
-                  PERSISTENT)),
+                  PERSISTENT, PER_KV_HEAD)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
 
 

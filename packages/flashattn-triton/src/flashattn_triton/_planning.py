@@ -177,14 +177,17 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
                                       problem.sm_count)  # fmt: skip
     if problem.uses_hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
         # portable kernel, and the tuner skips a Gluon build that another Triton version refuses
-        listed = listed + hopper_candidates(problem.pass_name, problem.block_d)
+        # A program a K/V head's key tile runs the group's query heads in turn: balanced where every key
+        # tile has the same work (not causal, no band).
+        per_kv_head = problem.group > 1 and not (problem.is_causal or problem.band_span)
+        listed = listed + hopper_candidates(problem.pass_name, problem.block_d, per_kv_head)
     return listed
 
 
 def describe(config: ForwardConfig | BackwardConfig) -> str:
     """The numbers of a config joined by '/', then its flags, its kv_splits beyond 1 and the dQ launch's own
     steps and stages by name."""
-    flags = ("hopper", "persistent", "transposed_grads", "split")
+    flags = ("hopper", "persistent", "per_kv_head", "transposed_grads", "split")
     dq_steps = ("dq_block_m", "dq_stages")
     numbers = [x for name, x in dataclasses.asdict(config).items()
                if name not in (*flags, "kv_splits", *dq_steps) and x is not None]  # fmt: skip

@@ -251,9 +251,16 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     else:
         grads = tuple(_inputs.output_like(t) for t in (q, k, v))
     dq4, dk4, dv4 = plan.outputs(grads)
-    if group > 1:  # dK and dV of each query head until summed over the groups into dk4 and dv4
-        grouped = dk4, dv4
-        dk4, dv4 = (t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in grouped)
+    per_head = None  # with a group, dK and dV of each query head until summed over the groups into dk4, dv4
+
+    def kv_targets(c: BackwardConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where config c's kernel writes dK and dV: dk4 and dv4, or per query head (a group's sum after)."""
+        nonlocal per_head
+        if group == 1 or c.per_kv_head:
+            return dk4, dv4
+        if per_head is None:
+            per_head = tuple(t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in (dk4, dv4))
+        return per_head
     # L, D and the atomic variant's float32 dQ sum by rows, (runs, H, rows, ...): a run for each batch
     # element, or one for all packed sequences (O and dO as (1, H, total_q, d)). The sum is zeroed before
     # each run (by the preprocess where there is one), padded to whole tiles of up to 128 rows so that its
@@ -279,6 +286,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             return LaunchPair(Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
         programs = (key_tiles if c.atomic_dq else max(key_tiles, query_tiles)) * batch * heads
         if c.hopper:
+            programs //= group if c.per_kv_head else 1
             return _hopper.launcher("bwd", programs, c, plan.problem.sm_count)
         return Launcher(kernels.attn_bwd, (programs,), c)
 
@@ -289,22 +297,23 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             dq_acc = (torch.zeros if delta is None else torch.empty)(runs, heads, dq_acc_rows, block_d,
                                                                       dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
-            return _hopper.backward_args(q_in, k_in, v_in, do_in, dk4, dv4, dq_acc, lse, delta, c.block_m,
-                                         c.block_n, c.num_stages, is_causal, scale, mask_args,
-                                         c.persistent)  # fmt: skip
+            return _hopper.backward_args(q_in, k_in, v_in, do_in, *kv_targets(c), dq_acc, lse, delta,
+                                         c.block_m, c.block_n, c.num_stages, is_causal, scale, mask_args,
+                                         c.persistent, c.per_kv_head)  # fmt: skip
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
         return phase_args(c, "both")
 
     def phase_args(c: BackwardConfig, phase: str) -> dict[str, Any]:
         steps, own = c.block_m, c.block_n
+        dk_out, dv_out = kv_targets(c)
         return {
             "Q_S": tiles(q_in, steps, block_d, host), "DO_S": tiles(do_in, steps, block_d, host),
             "K_S": tiles(k_in, steps, block_d, host), "V_S": tiles(v_in, steps, block_d, host),
             "Q_T": tiles(q_in, own, block_d, host), "DO_T": tiles(do_in, own, block_d, host),
             "K_T": tiles(k_in, own, block_d, host), "V_T": tiles(v_in, own, block_d, host),
-            "DQ": tiles(dq4, own, block_d, host), "DK": tiles(dk4, own, block_d, host),
-            "DV": tiles(dv4, own, block_d, host), "L": lse, "Delta": delta,
+            "DQ": tiles(dq4, own, block_d, host), "DK": tiles(dk_out, own, block_d, host),
+            "DV": tiles(dv_out, own, block_d, host), "L": lse, "Delta": delta,
             "O_S": tiles(o4, steps, block_d, host) if delta_from_o else None,
             "O_T": tiles(o4, own, block_d, host) if delta_from_o else None,
             # Hopper reduces dQ tiles with TMA; the interpreter and older GPUs with element atomics.
@@ -337,14 +346,13 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
     with _launcher.device_guard(q):
         used = plan.run(launcher, args, q.device, preprocess if delta is not None else None)
-        if group > 1:  # each group's sum, in one launch
-            per_head, sums = (dk4, dv4), grouped
+        if group > 1 and not used.per_kv_head:  # each group's sum, in one launch
+            summed, sums = per_head, (dk4, dv4)
             if packed is not None:  # (total_k, H, d) as (1, H, total_k, d)
-                per_head, sums = (tuple(t.transpose(0, 1)[None] for t in pair) for pair in (per_head, sums))
+                summed, sums = (tuple(t.transpose(0, 1)[None] for t in pair) for pair in (summed, sums))
             if plan.group_sum is None:
-                plan.group_sum = GroupSum(per_head[0], sums, block_d)
-            plan.group_sum(per_head, sums)
-            dk4, dv4 = grouped
+                plan.group_sum = GroupSum(summed[0], sums, block_d)
+            plan.group_sum(summed, sums)
     if used.atomic_dq:
         dq_rows.copy_(dq_acc[:, :, :rows, :head_dim])
     if plan.as_is:
