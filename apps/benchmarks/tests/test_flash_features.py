@@ -54,3 +54,28 @@ def test_repeats_keep_each_cases_median_over_rounds(monkeypatch):
     df = flash_features.run_features(["gqa"], torch.device("cpu"), torch.float32, 1, timer, repeats=3)
     assert len(calls) == 24
     assert (df["fwd ms"] == 2.0).all() and (df["bwd ms"] == 2.0).all()
+
+
+def test_a_pass_without_a_time_says_why_in_its_cells_and_ratios(monkeypatch):
+    """A timer's reason instead of a time (--cuda-graphs: "capture failed") stays in the pass's cells, its
+    ratios and the window's speedup, where a division would have raised; the other passes keep theirs."""
+    import pandas as pd
+    import torch
+
+    monkeypatch.setattr(flash_features, "GQA_SEQ", 32)
+    calls = []
+
+    def timer(fn):
+        calls.append(fn)
+        return "capture failed" if len(calls) == 2 else 1.0  # the first case's backward
+
+    df = flash_features.run_features(["gqa"], torch.device("cpu"), torch.float32, 1, timer)
+    first = df.iloc[0]
+    assert first["bwd ms"] == "capture failed" and first["bwd x baseline"] == "capture failed"
+    assert first["fwd ms"] == 1.0 and first["fwd x baseline"] == 1.0
+    failed = "capture failed"
+    window = pd.DataFrame([
+        {"feature": "window", "impl": "flash_attention window 1024", "fwd ms": 1.0, "bwd ms": failed},
+        {"feature": "window", "impl": "flash_attention full causal", "fwd ms": 7.0, "bwd ms": 12.0},
+    ])  # fmt: skip
+    assert flash_features.window_speedup(window).endswith("fwd 7.00x, bwd capture failed")

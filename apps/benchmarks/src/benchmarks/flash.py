@@ -22,7 +22,7 @@ printed per dtype.
 --cuda-graphs (CUDA only) captures each pass of each implementation into a CUDA graph after a warm-up
 and times the graph's replays: what a model captured with torch.cuda.graph or
 torch.compile(mode="reduce-overhead") pays, without the host's per-call work. A cell whose capture
-failed reads "capture failed" (the error is printed).
+failed reads "capture failed" (the error is printed). It applies to --feature's cases too.
 """
 
 from __future__ import annotations
@@ -382,7 +382,11 @@ def feature_main(args, dev: torch.device) -> pd.DataFrame:
     """--feature: each feature against its baseline (benchmarks.flash_features), one table."""
     dtype = DTYPES[(args.dtypes or ["bfloat16"])[0]]
     timer = make_timer(dev, args.warmup, args.rep)
-    df = run_features(args.feature, dev, dtype, args.batch, timer, args.repeats)
+    if args.cuda_graphs:
+        timer = graphed(timer)
+    # Under --cuda-graphs the cases run on a stream of their own, which captured() captures on.
+    with torch.cuda.stream(torch.cuda.Stream() if args.cuda_graphs else None):
+        df = run_features(args.feature, dev, dtype, args.batch, timer, args.repeats)
     print_table(df, f"flash_attention features, {dtype}, "
                     f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")  # fmt: skip
     speedup = window_speedup(df)

@@ -2,8 +2,9 @@
 --feature gqa|window|varlen|mask|dropout` (several comma-separated).
 
 Each feature times flashattn_triton and its baseline on the same inputs, forward and backward
-(triton.testing.do_bench medians on CUDA, wall clock on CPU), and prints the baseline's time over ours
-("x baseline": above 1 is faster):
+(triton.testing.do_bench medians on CUDA, wall clock on CPU; with --cuda-graphs, of each pass's CUDA graph
+replays, without the host's per-call work), and prints the baseline's time over ours ("x baseline": above
+1 is faster; a pass whose capture failed reads "capture failed" there):
 
   gqa      (B, 32, 4096, 128) queries over 4 K/V heads (8:1), causal SDPA with enable_gqa=True (each)
            and not causal
@@ -202,17 +203,35 @@ def run_features(
         for case in feature_cases:
             warm_case(case)
         rounds = [[time_case(case, timer) for case in feature_cases] for _ in range(repeats)]
-        timed = [(case, {which: statistics.median(r[i][which] for r in rounds) for which in rounds[0][i]})
+        timed = [(case, {which: _median([r[i][which] for r in rounds]) for which in rounds[0][i]})
                  for i, case in enumerate(feature_cases)]  # fmt: skip
         for case, times in timed:
             base = next(t for c, t in timed if c.baseline and c.pair == case.pair)
-            row = {"feature": feature, "impl": case.impl, **{k: round(v, 4) for k, v in times.items()}}
+            row = {"feature": feature, "impl": case.impl, **{k: _rounded(v, 4) for k, v in times.items()}}
             for which in ("fwd", "bwd"):
-                row[f"{which} x baseline"] = round(base[f"{which} ms"] / times[f"{which} ms"], 3)
+                row[f"{which} x baseline"] = _rounded(_ratio(base[f"{which} ms"], times[f"{which} ms"]), 3)
             rows.append(row)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
+
+
+def _median(values: list[float | str]) -> float | str:
+    """The median of a case's timings, or why one has none (a timer's string, as "capture failed")."""
+    reasons = [v for v in values if isinstance(v, str)]
+    return reasons[0] if reasons else statistics.median(values)
+
+
+def _ratio(numerator: float | str, denominator: float | str) -> float | str:
+    """numerator / denominator, or the reason (a string) one of them has no time."""
+    for value in (numerator, denominator):
+        if isinstance(value, str):
+            return value
+    return numerator / denominator
+
+
+def _rounded(value: float | str, digits: int) -> float | str:
+    return value if isinstance(value, str) else round(value, digits)
 
 
 def window_speedup(df: pd.DataFrame) -> str | None:
@@ -222,7 +241,8 @@ def window_speedup(df: pd.DataFrame) -> str | None:
     window = [i for i in rows.index if i.startswith("flash_attention window")]
     if not full or not window:
         return None
-    parts = [
-        f"{w} {rows.loc[full[0], f'{w} ms'] / rows.loc[window[0], f'{w} ms']:.2f}x" for w in ("fwd", "bwd")
-    ]
+    speedups = {
+        w: _ratio(rows.loc[full[0], f"{w} ms"], rows.loc[window[0], f"{w} ms"]) for w in ("fwd", "bwd")
+    }
+    parts = [f"{w} {x}" if isinstance(x, str) else f"{w} {x:.2f}x" for w, x in speedups.items()]
     return f"window {WINDOW} vs full causal at T={WINDOW_SEQ}: " + ", ".join(parts)
