@@ -22,6 +22,11 @@ shared memory, and a one-warp loader streams the query tiles of 64 rows (32 at d
                                                    d = 128: dQ^T = K^T dS^T, #gluon-backward-128)
     dK  += dS^T Q                                 (left in flight into the next step)
 
+At d = 128 it also steps through 64 query rows in FA3's query-major form (S = Q K^T, P and dS through shared
+memory: _hopper_kernels.query_major_step, decisions.md#gluon-backward-query-major), and for grouped-query
+attention a program may own a K/V head's key tile through its group's query heads (BackwardConfig's
+per_kv_head: dK and dV summed in the program, decisions.md#gqa-per-kv-head).
+
 Both take each tensor as a matrix whose rows are its time steps (``matrix``,
 decisions.md#gluon-model-layouts): (B, H, T, d) memory, or (B, T, H, d) memory as a model's transposed and
 fused-projection views are, each tensor with a head layout of its own. Query head h reads K/V head
@@ -44,8 +49,8 @@ from flashattn_triton._inputs import as_4d
 from flashattn_triton._launcher import Launcher
 from flashattn_triton._tiles import Tiles
 
-# Head dims each kernel compiles for without spills (the backward at d = 128 in 32-row steps, with dQ
-# transposed: _hopper_kernels.step).
+# Head dims each kernel compiles for without spills (the backward at d = 128 in 32-row steps with dQ
+# transposed, or 64-row query-major ones: _hopper_kernels.transposed_step, query_major_step).
 HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 FORWARD_CONSUMER_REGISTERS = 240
