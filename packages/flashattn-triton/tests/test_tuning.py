@@ -119,6 +119,18 @@ def test_entries_of_other_processes_are_kept_and_stale_ones_ignored(cache_dir, m
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
 
 
+def test_a_choice_made_among_other_candidates_is_tuned_again(cache_dir, monkeypatch):
+    """A cached choice holds only for the candidates it was chosen among: one that a later release adds
+    (as a faster kernel) is timed, not skipped for the old choice."""
+    assert choose(_tuning.TuningCache(), Timings(3.0, 1.0, 2.0), monkeypatch) == CANDIDATES[1]
+    more = [*CANDIDATES, ForwardConfig(64, 64, 4, 2)]
+    for tunings_expected in (1, 0):  # a fresh process: tuned again; the next one reuses that choice
+        cache, timings = _tuning.TuningCache(), Timings(3.0, 1.0, 2.0, 0.5)
+        monkeypatch.setattr(cache, "_time", timings)
+        assert cache.choose(lambda config: None, more, PROBLEM, CPU) == more[3]
+        assert timings.tunings == tunings_expected
+
+
 def test_a_torn_file_is_tuned_again_and_rewritten(cache_dir, monkeypatch):
     cache = _tuning.TuningCache()
     path: Path = cache.file(CPU)

@@ -104,7 +104,7 @@ class TuningCache:
             if os.environ.get("FLASHATTN_TRITON_AUTOTUNE_LOG"):
                 timings = ", ".join(f"{describe(c)} {ms:.4f} ms" for c, ms in times.items())
                 print(f"flashattn_triton tuned {name}: {timings} -> {describe(config)}", file=sys.stderr)
-            self._store(path, name, config, times)
+            self._store(path, name, config, times, candidates)
         self.chosen[key] = config
         return config
 
@@ -134,8 +134,9 @@ class TuningCache:
 
     @staticmethod
     def _decode(entry: dict | None, candidates: list) -> Any:
-        """The candidate an entry names, or None (no entry, or one no longer among the candidates)."""
-        if not isinstance(entry, dict):
+        """The candidate an entry names, or None: no entry, or one chosen among other candidates (a release
+        that adds one, as session 16's d = 128 backward kernels, has it timed rather than never tried)."""
+        if not isinstance(entry, dict) or entry.get("candidates") != [describe(c) for c in candidates]:
             return None
         return next((c for c in candidates if dataclasses.asdict(c) == entry.get("config")), None)
 
@@ -153,10 +154,12 @@ class TuningCache:
             return {}
         return entries if isinstance(entries, dict) else {}
 
-    def _store(self, path: Path, name: str, config: Any, times: dict[Any, float]) -> None:
-        """Add an entry: re-read the file (other processes may have added theirs), then replace it whole
-        (written to a temporary file beside it and renamed, so no reader sees half a file)."""
-        entry = {"config": dataclasses.asdict(config), "times_ms": {describe(c): t for c, t in times.items()}}
+    def _store(self, path: Path, name: str, config: Any, times: dict[Any, float], candidates: list) -> None:
+        """Add an entry (the choice, the candidates it was chosen among and their times): re-read the file
+        (other processes may have added theirs), then replace it whole (written to a temporary file beside
+        it and renamed, so no reader sees half a file)."""
+        entry = {"config": dataclasses.asdict(config), "candidates": [describe(c) for c in candidates],
+                 "times_ms": {describe(c): t for c, t in times.items()}}  # fmt: skip
         entries = {**self._read(path), name: entry}
         self.stored[path] = entries
         temporary = None
