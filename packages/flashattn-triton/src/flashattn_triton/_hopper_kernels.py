@@ -480,8 +480,9 @@ def consume_item(
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
     mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
     # A loop over all heads serialized every wgmma (C7515: moves define the accumulators): head 0 peeled.
-    # item_heads is called where its numbers are used: held across the steps, they changed every build's
-    # registers (the first row as the loader's).
+    # item_heads is called at the item's start and again at its end: its numbers held across the steps
+    # changed every build's registers. A query head's item keeps its first row as bh * T (the same
+    # number), so those builds are unchanged.
     z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
     first_row = (z * H + h0) * T if PER_KV_HEAD else bh * T
     dk, dv = consume_head(
