@@ -593,7 +593,7 @@ def attn_bwd(
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
     dl_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
-    if QUERY_MAJOR:  # P and dS; one dQ buffer (two would pass the shared memory at 2 stages)
+    if QUERY_MAJOR:  # P and dS; one dQ buffer (a second, 32 KB at d = 128, would leave no room for 3 stages)
         ds_one = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         dq_ring = gl.allocate_shared_memory(gl.float32, [1] + dq_desc.block_type.shape, dq_desc.layout)
