@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -447,6 +448,13 @@ def str_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
         return items
 
     return parse
+
+
+def median_time(values: list[float | str]) -> float | str:
+    """The median of a cell's timed repeats; the first repeat's reason (OOM, skipped, capture failed, ...)
+    if none was timed."""
+    times = [v for v in values if isinstance(v, float)]
+    return statistics.median(times) if times else values[0]
 
 
 def as_cell(value: Any, digits: int = 3) -> Any:

@@ -49,6 +49,7 @@ from benchmarks.common import (
     int_list,
     is_oom,
     make_parser,
+    median_time,
     nonnegative_float,
     parse_args,
     positive_float,
@@ -301,13 +302,6 @@ def measure(
             free_device_memory()
             result[which] = OOM
     return result
-
-
-def median_time(values: list[float | str]) -> float | str:
-    """The median of a cell's timed repeats; the first repeat's reason (OOM, skipped, ...) if none was
-    timed."""
-    times = [v for v in values if isinstance(v, float)]
-    return statistics.median(times) if times else values[0]
 
 
 def skip_reason(impl: str, shape: Shape, args) -> str | None:

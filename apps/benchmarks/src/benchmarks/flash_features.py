@@ -19,13 +19,14 @@ replays, without the host's per-call work), and prints the baseline's time over 
 from __future__ import annotations
 
 import random
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common import as_cell, median_time
 
 FEATURES = ["gqa", "window", "varlen", "mask", "dropout"]
 GQA_SEQ = 4096
@@ -203,23 +204,17 @@ def run_features(
         for case in feature_cases:
             warm_case(case)
         rounds = [[time_case(case, timer) for case in feature_cases] for _ in range(repeats)]
-        timed = [(case, {which: _median([r[i][which] for r in rounds]) for which in rounds[0][i]})
+        timed = [(case, {which: median_time([r[i][which] for r in rounds]) for which in rounds[0][i]})
                  for i, case in enumerate(feature_cases)]  # fmt: skip
         for case, times in timed:
             base = next(t for c, t in timed if c.baseline and c.pair == case.pair)
-            row = {"feature": feature, "impl": case.impl, **{k: _rounded(v, 4) for k, v in times.items()}}
+            row = {"feature": feature, "impl": case.impl, **{k: as_cell(v, 4) for k, v in times.items()}}
             for which in ("fwd", "bwd"):
-                row[f"{which} x baseline"] = _rounded(_ratio(base[f"{which} ms"], times[f"{which} ms"]), 3)
+                row[f"{which} x baseline"] = as_cell(_ratio(base[f"{which} ms"], times[f"{which} ms"]), 3)
             rows.append(row)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
-
-
-def _median(values: list[float | str]) -> float | str:
-    """The median of a case's timings, or why one has none (a timer's string, as "capture failed")."""
-    reasons = [v for v in values if isinstance(v, str)]
-    return reasons[0] if reasons else statistics.median(values)
 
 
 def _ratio(numerator: float | str, denominator: float | str) -> float | str:
@@ -228,10 +223,6 @@ def _ratio(numerator: float | str, denominator: float | str) -> float | str:
         if isinstance(value, str):
             return value
     return numerator / denominator
-
-
-def _rounded(value: float | str, digits: int) -> float | str:
-    return value if isinstance(value, str) else round(value, digits)
 
 
 def window_speedup(df: pd.DataFrame) -> str | None:

@@ -131,18 +131,20 @@ def work_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constex
 
 
 @gluon.jit
-def item_heads(bh, H, group, PER_KV_HEAD: gl.constexpr):
-    """The heads of work item bh's (work_item's): its batch element z, first query head, K/V head and
-    number of query heads. An item is a query head's (H of them a batch element), or with PER_KV_HEAD a
-    K/V head's (H / group), through its group's query heads one after another."""
+def item_heads(bh, H, T, group, PER_KV_HEAD: gl.constexpr):
+    """The heads of work item bh's (work_item's): its batch element z, first query head h0, K/V head,
+    number of query heads, and head h0's first row of L, D and dQ's sum (head h's: (z * H + h) * T). An
+    item is a query head's (H of them a batch element), or with PER_KV_HEAD a K/V head's (H / group),
+    through its group's query heads one after another."""
     if PER_KV_HEAD:
         kv_heads = H // group
         z = bh // kv_heads
         kv_head = bh % kv_heads
-        return z, kv_head * group, kv_head, group
+        h0 = kv_head * group
+        return z, h0, kv_head, group, (z * H + h0) * T
     z = bh // H
     h = bh % H
-    return z, h, h // group, 1
+    return z, h, h // group, 1, bh * T
 
 
 @gluon.jit
@@ -180,7 +182,7 @@ def load_item(
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
     item = program_item(k, gl.num_programs(0), gl.program_id(0))
     key0, bh, lo, n, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
+    z, h0, kv_head, heads, bh_row = item_heads(bh, H, T, group, PER_KV_HEAD)
     kb = k % KV_BUFFERS
     kv_bar = kv_ready.index(kb)
     mbarrier.wait(kv_empty.index(kb), ((k // KV_BUFFERS) & 1) ^ 1)
@@ -189,9 +191,8 @@ def load_item(
     v_row, v_col = head_start(z, kv_head, v_zr, v_hr, v_hc)
     tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], kv_bar, k_bufs.index(kb))
     tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], kv_bar, v_bufs.index(kb))
-    first_row = (z * H + h0) * T if PER_KV_HEAD else bh * T  # (the same: the simpler where it is)
     base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, z,
-                     h0, first_row, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES,
+                     h0, bh_row, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES,
                      BLOCK_M)  # fmt: skip
     if PER_KV_HEAD:
         for h in range(h0 + 1, h0 + heads):
@@ -481,12 +482,10 @@ def consume_item(
     mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
     # A loop over all heads serialized every wgmma (C7515: moves define the accumulators): head 0 peeled.
     # item_heads is called at the item's start and again at its end: its numbers held across the steps
-    # changed every build's registers. A query head's item keeps its first row as bh * T (the same
-    # number), so those builds are unchanged.
-    z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
-    first_row = (z * H + h0) * T if PER_KV_HEAD else bh * T
+    # changed every build's registers.
+    z, h0, kv_head, heads, bh_row = item_heads(bh, H, T, group, PER_KV_HEAD)
     dk, dv = consume_head(
-        base, first_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
+        base, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
         dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
         BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
     )  # fmt: skip
@@ -508,7 +507,7 @@ def consume_item(
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    z, h0, kv_head, heads = item_heads(bh, H, group, PER_KV_HEAD)
+    z, h0, kv_head, heads, _ = item_heads(bh, H, T, group, PER_KV_HEAD)
     out_head = kv_head if PER_KV_HEAD else h0
     dk_row, dk_col = head_start(z, out_head, dk_zr, dk_hr, dk_hc)
     dv_row, dv_col = head_start(z, out_head, dv_zr, dv_hr, dv_hc)

@@ -286,7 +286,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             return LaunchPair(Launcher(kernels.attn_bwd, (key_tiles * batch * heads,), c), dq)
         programs = (key_tiles if c.atomic_dq else max(key_tiles, query_tiles)) * batch * heads
         if c.hopper:
-            programs //= group if c.per_kv_head else 1
+            if c.per_kv_head:  # a program a K/V head's tile
+                programs //= group
             return _hopper.launcher("bwd", programs, c, plan.problem.sm_count)
         return Launcher(kernels.attn_bwd, (programs,), c)
 
