@@ -241,14 +241,37 @@ def loader(
 
 
 @gluon.jit
+def issue_scores(g, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """Step g's S^T = K Q^T and dP^T = V dO^T (transposed_step's first products, K and V of buffer kb),
+    issued once its query tile has landed: stage g % STAGES completes once every STAGES steps, so its
+    wait is for parity (g // STAGES) & 1."""
+    if k_bufs.shape[0] > 1:
+        # kb varies between items: the descriptors of K and V, hoisted out of the loops, held registers
+        # enough to spill (112 bytes with a window at d = 64)
+        kb = kb + step_zero(g)
+    s = g % STAGES
+    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+    BLOCK_N: gl.constexpr = k_bufs.shape[1]
+    BLOCK_M: gl.constexpr = q_ring.shape[1]
+    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    s_t = warpgroup_mma(k_bufs.index(kb), q_ring.index(s).permute((1, 0)), zero_s, use_acc=False,
+                        is_async=True)  # fmt: skip
+    dp_t = warpgroup_mma(v_bufs.index(kb), do_ring.index(s).permute((1, 0)), zero_s, use_acc=False,
+                         is_async=True)  # fmt: skip
+    return s_t, dp_t
+
+
+@gluon.jit
 def step(
     g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-    empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
+    empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
 ):  # fmt: skip
-    """The program's step g in the consumers' form: query_major_step's, or transposed_step's."""
+    """The program's step g in the consumers' form: query_major_step's, or transposed_step's (scores:
+    its S and dP already issued, or None)."""
     if QUERY_MAJOR:
+        gl.static_assert(scores is None)
         dk, dv = query_major_step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
             ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
@@ -257,7 +280,7 @@ def step(
     else:
         dk, dv = transposed_step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
+            ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
             BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
         )  # fmt: skip
     return dk, dv
@@ -266,13 +289,14 @@ def step(
 @gluon.jit
 def transposed_step(
     g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-    empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
+    empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
     s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
 ):  # fmt: skip
     """The program's step g, of the consumer warpgroups, with the scores transposed (keys are the rows):
     the query tile from row first + g * BLOCK_M of the head, with K and V of buffer kb, masked as
     visible's DIAG and EDGE say; returns dK and dV (dK still in flight). dS^T: a buffer of one (ds_one).
+    scores: S^T and dP^T as issue_scores issued them (the item before's end did), or None: issued here.
 
     Where d = BLOCK_N (d = 128 at 8 warps), dQ is computed transposed, dQ^T = K^T dS^T: its d rows split
     over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
@@ -283,23 +307,17 @@ def transposed_step(
     TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
     zero = step_zero(g)
     made_here = kb + zero  # buffer kb, its wgmma descriptors made in the step
-    if k_bufs.shape[0] > 1:
-        # kb varies between items: the descriptors of K and V, hoisted out of the loops, held registers
-        # enough to spill (112 bytes with a window at d = 64)
-        kb = made_here
-    k_smem = k_bufs.index(kb)
-    v_smem = v_bufs.index(kb)
+    k_smem = k_bufs.index(made_here if k_bufs.shape[0] > 1 else kb)  # (as issue_scores's)
     ds_smem = ds_one.index(0)
     s = g % STAGES
     m0 = first + g * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
-    # Stage s completes once every STAGES steps: wait for parity (g // STAGES) & 1.
-    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+    if scores is None:
+        s_t, dp_t = issue_scores(g, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
+    else:
+        s_t, dp_t = scores
     q_s = q_ring.index(s)
     do_s = do_ring.index(s)
-    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    s_t = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     columns: gl.constexpr = gl.SliceLayout(0, s_layout)
     l2 = l_ring.index(s).load(columns) * _LOG2E
     delta = dl_ring.index(s).load(columns)
@@ -419,60 +437,62 @@ def query_major_step(
 @gluon.jit
 def consume_head(
     g0, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-    ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
+    ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
+    QUERY_MAJOR: gl.constexpr,
 ):  # fmt: skip
-    """One query head's n steps of a work item (work_item's key0, lo, n, edge), from the program's step g0
-    on, its L, D and dQ rows from bh_row: the diagonal steps masked (under causal; else step 0 alone,
-    unmasked), up to two unrolled and the rest in a loop, then the steps that see every key in a loop,
-    then (a window's) those from step `edge` on that lose keys at its far edge. Returns dK and dV (dK
-    still in flight). Peeling step 0 keeps ptxas from serializing every wgmma: a loop that may run zero
-    times would feed zero-initialised accumulators into the epilogue's wait. Four unrolled diagonal steps
-    (32-row steps) spilled at d = 128."""
+    """One query head's n steps of a work item (work_item's key0, lo, n, edge), from the program's step g0 on,
+    its L, D and dQ rows from bh_row: the diagonal steps masked (under causal; else step 0 alone, unmasked),
+    up to two unrolled and the rest in a loop, then the steps that see every key in a loop, then (a window's)
+    those from step `edge` on that lose keys at its far edge. Returns dK and dV (dK still in flight). scores:
+    step g0's S and dP if already issued (else None). Peeling step 0 keeps ptxas from serializing every wgmma:
+    a loop that may run zero times would feed zero-initialised accumulators into the epilogue's wait. Four
+    unrolled diagonal steps (32-row steps) spilled at d = 128."""
     FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
     UNROLLED: gl.constexpr = FIRST if FIRST <= 2 else 1
     first = lo - g0 * BLOCK_M  # the query rows of step g: first + g * BLOCK_M
     for i in gl.static_range(UNROLLED):
         dk, dv = step(
             g0 + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
-            dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
-            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+            dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL, WINDOW,
+            STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
+        scores = None
     for g in range(g0 + UNROLLED, g0 + FIRST):
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
-            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+            ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
+            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
     for g in range(g0 + FIRST, g0 + edge):
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-            ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M,
+            ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M,
             BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
         )  # fmt: skip
     if WINDOW:
         for g in range(g0 + edge, g0 + n):
             dk, dv = step(
                 g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
-                dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, False, True,
+                dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, False, True,
                 STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
             )  # fmt: skip
     return dk, dv
 
 
 @gluon.jit
-def consume_item(
-    k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
-    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
-    qk_scale, scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
-    d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+def consume_steps(
+    k, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
+    kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
+    QUERY_MAJOR: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
-    """The consumers' work for this program's k-th work item (program_item), whose steps follow the
-    program's `base` earlier ones: consume_head for each of its query heads (item_heads), then dK and dV
-    out through TMA to its head (a K/V head's with PER_KV_HEAD; K's and V's buffers stage them), and the
-    K/V buffer back to the loader on kv_empty. Returns the program's steps up to the item's end."""
+    """The steps of this program's k-th work item (program_item), which follow the program's `base`
+    earlier ones: consume_head for each of its query heads (item_heads). scores: its first step's S and
+    dP if already issued (else None). Returns its dK and dV (every product retired), the program's steps
+    up to the item's end, and the item's first key and head (work_item's key0, bh) for store_item."""
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
     item = program_item(k, gl.num_programs(0), gl.program_id(0))
     key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
@@ -481,23 +501,37 @@ def consume_item(
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
     mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
     # A loop over all heads serialized every wgmma (C7515: moves define the accumulators): head 0 peeled.
-    # item_heads is called at the item's start and again at its end: its numbers held across the steps
-    # changed every build's registers.
+    # item_heads is called at the item's start and again at its end (store_item): its numbers held across
+    # the steps changed every build's registers.
     z, h0, kv_head, heads, bh_row = item_heads(bh, H, T, group, PER_KV_HEAD)
     dk, dv = consume_head(
         base, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
-        dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
-        BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+        dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
+        BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
     )  # fmt: skip
     if PER_KV_HEAD:
         for j in range(1, heads):
             dk, dv = consume_head(
                 base + j * n, (z * H + h0 + j) * T, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring,
-                l_ring, dl_ring, ds_one, dq_ring, ready, empty, dq_desc, dk, dv, qk_scale, scale,
+                l_ring, dl_ring, ds_one, dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale,
                 window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
                 q_layout, QUERY_MAJOR,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
+    _, _, _, heads, _ = item_heads(bh, H, T, group, PER_KV_HEAD)
+    return dk, dv, base + heads * n, key0, bh
+
+
+@gluon.jit
+def store_item(
+    k, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc,
+    T, H, group, scale, PER_KV_HEAD: gl.constexpr,
+):  # fmt: skip
+    """Work item k's dK and dV (its first key key0, of head bh: work_item's) out through TMA to its head
+    (a K/V head's with PER_KV_HEAD; K's and V's buffers stage them), then the K/V buffer back to the
+    loader on kv_empty."""
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+    kb = k % KV_BUFFERS
     # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
     tma.store_wait(pendings=0)
     gl.thread_barrier()
@@ -507,7 +541,7 @@ def consume_item(
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    z, h0, kv_head, heads, _ = item_heads(bh, H, T, group, PER_KV_HEAD)
+    z, h0, kv_head, _, _ = item_heads(bh, H, T, group, PER_KV_HEAD)
     out_head = kv_head if PER_KV_HEAD else h0
     dk_row, dk_col = head_start(z, out_head, dk_zr, dk_hr, dk_hc)
     dv_row, dv_col = head_start(z, out_head, dv_zr, dv_hr, dv_hc)
@@ -518,7 +552,6 @@ def consume_item(
     tma.store_wait(pendings=0)
     gl.thread_barrier()
     mbarrier.arrive(kv_empty.index(kb))
-    return base + heads * n
 
 
 @gluon.jit
@@ -529,8 +562,10 @@ def consumer(
     BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
     q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
-    """The compute partition: consume_item for each work item of this program (PERSISTENT), or for its
-    one item.
+    """The compute partition: for each work item of this program (PERSISTENT), or for its one item,
+    consume_steps then store_item. Persistent programs issue each item's first S and dP (issue_scores)
+    before the item before goes out, so that the tensor cores run them through store_item's epilogue
+    rather than idle (the program's first item's before the loop, its last item's epilogue after it).
 
     Barrier phases across items (the invariant the loader keeps alike): the ring's steps are counted over
     the program, g = the steps of its earlier items + the item's own, so stage g % STAGES's `ready`
@@ -541,13 +576,39 @@ def consumer(
     so no wait depends on a later one."""
     items = program_items(T // BLOCK_N * ZH, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    for k in range(items):
-        base = consume_item(
-            k, base, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
-            kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H,
-            group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D,
-            s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
-        )  # fmt: skip
+    if PERSISTENT:
+        gl.static_assert(not QUERY_MAJOR, "issue_scores issues transposed_step's products")
+        KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+        # dK and dV of the item before, stored once this item's first S and dP are in flight (carried
+        # across the loop as finished values: in-flight products carried across it serialized every
+        # wgmma, C7514)
+        dk = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout)
+        dv = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout)
+        key0 = gl.to_tensor(0)
+        bh = gl.to_tensor(0)
+        for k in range(items):
+            kb = k % KV_BUFFERS
+            mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
+            scores = issue_scores(base, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
+            if k > 0:
+                store_item(k - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
+                           dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
+            dk, dv, base, key0, bh = consume_steps(
+                k, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
+                empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW,
+                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
+            )  # fmt: skip
+        store_item(items - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
+                   dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
+    else:
+        for k in range(items):
+            dk, dv, base, key0, bh = consume_steps(
+                k, base, None, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
+                empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW,
+                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
+            )  # fmt: skip
+            store_item(k, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
+                       dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
 
 
 @gluon.jit
