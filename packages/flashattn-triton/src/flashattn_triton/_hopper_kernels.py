@@ -532,8 +532,8 @@ def store_item(
     loader on kv_empty."""
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
     kb = k % KV_BUFFERS
-    # Every dQ reduction has read its source before K and V's shared memory stages dK and dV.
-    tma.store_wait(pendings=0)
+    # Every warp's products have read K and V before their buffers stage dK and dV (the dQ reductions
+    # read dq_ring, not these: the stores' wait below covers them).
     gl.thread_barrier()
     k_smem = k_bufs.index(kb)
     v_smem = v_bufs.index(kb)
