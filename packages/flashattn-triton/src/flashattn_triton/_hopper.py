@@ -23,10 +23,11 @@ shared memory, and a one-warp loader streams the query tiles of 64 rows (32 at d
     dK  += dS^T Q                                 (left in flight into the next step)
 
 Persistent programs issue each item's first S and dP before the item before stores its dK and dV (the
-tensor cores run through that epilogue). At d = 128 it also steps through 64 query rows in FA3's query-major form (S = Q K^T, P and dS through shared
-memory: _hopper_kernels.query_major_step, decisions.md#gluon-backward-query-major), and for grouped-query
-attention a program may own a K/V head's key tile through its group's query heads (BackwardConfig's
-per_kv_head: dK and dV summed in the program, decisions.md#gqa-per-kv-head).
+tensor cores run through that epilogue). At d = 128 it also steps through 64 query rows in FA3's
+query-major form (S = Q K^T, P and dS through shared memory: _hopper_kernels.query_major_step,
+decisions.md#gluon-backward-query-major), and for grouped-query attention a program may own a K/V head's
+key tile through its group's query heads (BackwardConfig's per_kv_head: dK and dV summed in the program,
+decisions.md#gqa-per-kv-head).
 
 Both take each tensor as a matrix whose rows are its time steps (``matrix``,
 decisions.md#gluon-model-layouts): (B, H, T, d) memory, or (B, T, H, d) memory as a model's transposed and

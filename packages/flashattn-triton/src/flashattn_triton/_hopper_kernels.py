@@ -565,7 +565,8 @@ def consumer(
     """The compute partition: for each work item of this program (PERSISTENT), or for its one item,
     consume_steps then store_item. Persistent programs issue each item's first S and dP (issue_scores)
     before the item before goes out, so that the tensor cores run them through store_item's epilogue
-    rather than idle (the program's first item's before the loop, its last item's epilogue after it).
+    rather than idle: a turn of the loop issues its item's, stores the item before, then runs its steps
+    (the last item is stored after the loop).
 
     Barrier phases across items (the invariant the loader keeps alike): the ring's steps are counted over
     the program, g = the steps of its earlier items + the item's own, so stage g % STAGES's `ready`
