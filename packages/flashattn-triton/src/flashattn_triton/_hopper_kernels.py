@@ -86,6 +86,22 @@ def visible(x, queries, keys, window_left, fill, DIAG: gl.constexpr, EDGE: gl.co
 
 
 @gluon.jit
+def probabilities(s, l2, key0, m0, qk_scale, window_left, KEYS: gl.constexpr, layout: gl.constexpr,
+                  DIAG: gl.constexpr, EDGE: gl.constexpr):  # fmt: skip
+    """P = exp2(S * qk_scale - L2) of a backward step's scores s (in layout; keys along dim KEYS: 0 for
+    transposed_step's S^T, 1 for query_major_step's S), from key key0 and query row m0, masked as visible's
+    DIAG and EDGE say."""
+    QUERIES: gl.constexpr = 1 - KEYS
+    N_KEYS: gl.constexpr = s.shape[KEYS]
+    N_QUERIES: gl.constexpr = s.shape[QUERIES]
+    p = gl.exp2(s * qk_scale - gl.expand_dims(l2, KEYS))
+    keys = key0 + gl.arange(0, N_KEYS, layout=gl.SliceLayout(QUERIES, layout))
+    queries = m0 + gl.arange(0, N_QUERIES, layout=gl.SliceLayout(KEYS, layout))
+    return visible(p, gl.expand_dims(queries, KEYS), gl.expand_dims(keys, QUERIES), window_left, 0.0, DIAG,
+                   EDGE)  # fmt: skip
+
+
+@gluon.jit
 def program_items(total, PERSISTENT: gl.constexpr):
     """How many of the `total` work items this program runs (program_item's k < this): with PERSISTENT
     (fewer programs than items) its share, else one (a program an item)."""
@@ -191,14 +207,10 @@ def load_item(
     v_row, v_col = head_start(z, kv_head, v_zr, v_hr, v_hc)
     tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], kv_bar, k_bufs.index(kb))
     tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], kv_bar, v_bufs.index(kb))
-    base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, z,
-                     h0, bh_row, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES,
-                     BLOCK_M)  # fmt: skip
-    if PER_KV_HEAD:
-        for h in range(h0 + 1, h0 + heads):
-            base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready,
-                             empty, z, h, (z * H + h) * T, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr,
-                             do_hc, STAGES, BLOCK_M)  # fmt: skip
+    for j in range(heads):
+        base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, z,
+                         h0 + j, bh_row + j * T, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES,
+                         BLOCK_M)  # fmt: skip
     return base
 
 
@@ -333,10 +345,7 @@ def transposed_step(
     gl.thread_barrier()
     mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
 
-    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(l2, 0))
-    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    queries = m0 + gl.arange(0, BLOCK_M, layout=columns)
-    p_t = visible(p_t, gl.expand_dims(queries, 0), gl.expand_dims(keys, 1), window_left, 0.0, DIAG, EDGE)
+    p_t = probabilities(s_t, l2, key0, m0, qk_scale, window_left, 0, s_layout, DIAG, EDGE)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=[dp_t])
@@ -405,10 +414,7 @@ def query_major_step(
     gl.thread_barrier()
     mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
 
-    p = gl.exp2(s_qk * qk_scale - gl.expand_dims(l2, 1))
-    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    queries = m0 + gl.arange(0, BLOCK_M, layout=rows)
-    p = visible(p, gl.expand_dims(queries, 1), gl.expand_dims(keys, 0), window_left, 0.0, DIAG, EDGE)
+    p = probabilities(s_qk, l2, key0, m0, qk_scale, window_left, 1, s_layout, DIAG, EDGE)
     # P and dS: writes by the generic proxy read by wgmma (async proxy), a fence by every writer, then a
     # barrier (dQ reads both warpgroups' dS).
     p_smem.store(p.to(dtype))
@@ -499,7 +505,8 @@ def consume_steps(
     kb = k % KV_BUFFERS
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
-    mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
+    if scores is None:  # (else its issuer waited)
+        mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
     # A loop over all heads serialized every wgmma (C7515: moves define the accumulators): head 0 peeled.
     # item_heads is called at the item's start and again at its end (store_item): its numbers held across
     # the steps changed every build's registers.
