@@ -159,6 +159,15 @@ def tuning_cache_of_the_session(tmp_path_factory):
 
 
 @pytest.fixture
+def full_float32_precision():
+    """float32 matmuls in full precision for the test, whatever precision it started with."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+@pytest.fixture
 def in_place_outputs(monkeypatch) -> list[bool]:
     """For each output or gradient the kernels write through _inputs.kernel_output, in call order: whether
     they write it in place (their tensor is a view of it) rather than into one copied back after."""

@@ -53,16 +53,12 @@ def case_id(case) -> str:
 
 
 @pytest.fixture(autouse=True)
-def float32_matmuls_in_full_precision_and_default_configs(monkeypatch):
+def float32_matmuls_in_full_precision_and_default_configs(monkeypatch, full_float32_precision):
     """Full float32 precision, each kernel's first candidate config unless a test asks for tuning
     (test_every_candidate covers the others; tuning them all in every test would only cost time), and
     no launch plans from earlier tests."""
     monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")
     monkeypatch.setattr(triton_impl, "_plans", {})
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def poison_allocator() -> None:

@@ -26,20 +26,15 @@ from flashattn_triton import (
 from flashattn_triton._dropout import Dropout, draw_rng
 from flashattn_triton._validation import OpArguments, op_arguments, varlen_op_arguments
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("full_float32_precision"),
+]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Max error relative to the largest reference value. A missed key tile or a mask off by one costs far more.
 BOUNDS = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
 NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-@pytest.fixture(autouse=True)
-def full_float32_precision():
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def qkv(batch, q_heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype):
