@@ -65,9 +65,9 @@ def torch_path(args: OpArguments, grad_out: torch.Tensor, grad_lse: torch.Tensor
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-# Max error relative to max |reference|. float32's bound leaves room for CPUs whose float32 GEMMs round more
-# than this one's: one CI machine gave 3.7e-5 on GQA's out (2.4e-7 here). A missed key or a mask off by one
-# costs 1e-2 and more; TF32 products (a leaked matmul precision) cost 5e-4.
+# Max error relative to max |reference|. float32's bound leaves room for CPUs that round more than this one:
+# one CI run gave 3.7e-5 on GQA's out, not reproduced here (2.4e-7, with every earlier test run first). A
+# missed key or a mask off by one costs 1e-2 and more; TF32 products (a leaked matmul precision) 5e-4.
 BOUNDS = {torch.float32: 1e-4, torch.float16: 4e-3}
 
 
