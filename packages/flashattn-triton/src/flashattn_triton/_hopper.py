@@ -129,6 +129,20 @@ def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...],
     return torch.cuda.get_device_capability(q.device) == (9, 0) and available()
 
 
+def refusal(pass_name: str, q: torch.Tensor, band: tuple[int, int] | None, dropout_p: float) -> str:
+    """Why a config naming the Gluon kernel of pass_name cannot run this problem: what supports asks, beside
+    the problem's q, band and dropout."""
+    dims = " or ".join(map(str, HEAD_DIMS[pass_name]))
+    return (
+        f"the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a multiple of 128, K/V "
+        "heads dividing the query heads, inputs in (B, H, T, d) or (B, T, H, d) memory, no window but a "
+        "causal one, on sm_90 with Gluon, above the small-problem size, without dropout; "
+        f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
+        + ("" if band is None else f" with window {band}")
+        + f" with dropout_p={dropout_p}" * (dropout_p > 0.0)
+    )
+
+
 def kernel(pass_name: str) -> Any:
     kernels = _gluon()
     return kernels.attn_fwd if pass_name == "fwd" else kernels.attn_bwd

@@ -94,16 +94,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
                           deterministic, band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
                           group, varlen is not None)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
-            dims = " or ".join(map(str, _hopper.HEAD_DIMS[pass_name]))
-            raise ValueError(
-                f"config {config}: the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a "
-                "multiple of 128, K/V heads dividing the query heads, inputs in (B, H, T, d) or (B, T, H, d) "
-                "memory, no window but a causal one, on sm_90 with Gluon, above the small-problem size, "
-                "without dropout; "
-                f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
-                + ("" if band is None else f" with window {band}")
-                + f" with dropout_p={dropout_p}" * (dropout_p > 0.0)
-            )
+            raise ValueError(f"config {config}: {_hopper.refusal(pass_name, q, band, dropout_p)}")
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
         # not where a gradient of L joins D, which the preprocess path adds).
