@@ -1,0 +1,104 @@
+"""The backward's passes beside its kernel, against the bandwidth floor: D's preprocess (which also zeroes
+the float32 dQ sum), the same as zero_() then a D-only pass, the dQ conversion, and a 256 MB copy, each
+timed in CUDA-graph replays (median of 5); then the persistent window schedule's balance, counted in steps.
+
+    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/backward_passes.py \
+        [--heads 16] [--seqlen 16384] [--window 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import triton
+
+from flashattn_triton import _launcher
+
+HEAD_DIM, BLOCK_M, BLOCK_N = 64, 64, 128  # the persistent Gluon backward's steps at d = 64
+
+
+def graph_microseconds(fn: Callable[[], object], calls: int = 20, rounds: int = 5) -> float:
+    """Median GPU time of one call of fn over `rounds` replays of a graph of `calls` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[rounds // 2]
+
+
+def passes(heads: int, seqlen: int) -> None:
+    kernels = _launcher.kernels()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    out, grad_out = (torch.randn(1, heads, seqlen, HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                                 generator=generator) for _ in range(2))  # fmt: skip
+    delta = torch.empty(1, heads, seqlen, device="cuda")
+    dq_sum = torch.empty(1, heads, seqlen, HEAD_DIM, device="cuda")
+    dq = torch.empty_like(out)
+    source = torch.empty(2**27, device="cuda", dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+
+    def preprocess(zeroes: bool) -> None:
+        kernels.attn_bwd_preprocess[(heads, seqlen // 64)](
+            out, grad_out, delta, dq_sum if zeroes else None, *out.stride()[:3], *grad_out.stride()[:3],
+            heads, seqlen, HEAD_DIM, seqlen, BLOCK_D=HEAD_DIM, BLOCK_M=64,
+        )  # fmt: skip
+
+    copy_us = graph_microseconds(lambda: target.copy_(source))
+    bandwidth = 2 * source.nbytes / copy_us  # bytes a µs
+    moved = {"preprocess (D, zeroed sum)": 2 * out.nbytes + dq_sum.nbytes + delta.nbytes,
+             "dQ conversion": dq_sum.nbytes + dq.nbytes}  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"(1, {heads}, {seqlen}, {HEAD_DIM}) bf16")  # fmt: skip
+    print(f"  copy of {source.nbytes / 2**20:.0f} MB: {copy_us:.1f} us, {bandwidth / 1e6:.2f} TB/s moved")
+    for name, fn in (("preprocess (D, zeroed sum)", lambda: preprocess(True)),
+                     ("zero_() then D-only preprocess", lambda: (dq_sum.zero_(), preprocess(False))),
+                     ("dQ conversion", lambda: dq.copy_(dq_sum))):  # fmt: skip
+        floor = f"  (floor {moved[name] / bandwidth:.1f} us)" if name in moved else ""
+        print(f"  {name:32s} {graph_microseconds(fn):7.1f} us{floor}")
+
+
+def schedule(heads: int, seqlen: int, window: int, programs: int) -> None:
+    """Steps of the busiest persistent program against the average: each key tile's steps as work_item
+    counts them under a causal window, items in program_item's order."""
+    tiles = seqlen // BLOCK_N
+    full = (BLOCK_N + window + BLOCK_M - 1) // BLOCK_M
+    steps = [min(full, (seqlen - tile * BLOCK_N) // BLOCK_M) for tile in range(tiles) for _ in range(heads)]
+    programs = min(programs, len(steps))
+    load = [0] * programs
+    for k in range(-(-len(steps) // programs)):
+        for p in range(programs):
+            item = k * programs + p if k % 2 == 0 else (k + 1) * programs - 1 - p
+            if item < len(steps):
+                load[p] += steps[item]
+    print(f"  window {window}: {len(steps)} items over {programs} programs: busiest {max(load)} steps, "
+          f"average {sum(steps) / programs:.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seqlen", type=int, default=16384, help="a multiple of 128")
+    parser.add_argument("--window", type=int, default=1024, help="the causal window's left size")
+    args = parser.parse_args()
+    passes(args.heads, args.seqlen)
+    schedule(args.heads, args.seqlen, args.window, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+if __name__ == "__main__":
+    main()
