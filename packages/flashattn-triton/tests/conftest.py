@@ -159,12 +159,18 @@ def tuning_cache_of_the_session(tmp_path_factory):
 
 
 @pytest.fixture
-def full_float32_precision():
-    """float32 matmuls in full precision for the test, whatever precision it started with."""
+def matmul_precision():
+    """torch.set_float32_matmul_precision for the rest of the test: the precision it started with comes back
+    at its end."""
     previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    yield
+    yield torch.set_float32_matmul_precision
     torch.set_float32_matmul_precision(previous)
+
+
+@pytest.fixture
+def full_float32_precision(matmul_precision):
+    """float32 matmuls in full precision for the test, whatever precision it started with."""
+    matmul_precision("highest")
 
 
 @pytest.fixture

@@ -26,14 +26,11 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 @pytest.fixture(autouse=True)
-def tf32_allowed(monkeypatch):
+def tf32_allowed(monkeypatch, matmul_precision):
     """float32 with TF32 products (the tuned varlen path's float32; exact under the interpreter), and no
     plans of earlier tests."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+    matmul_precision("high")
     monkeypatch.setattr(triton_impl, "_plans", {})
-    yield
-    torch.set_float32_matmul_precision(previous)
 
 
 def cumulative(lengths: list[int]) -> torch.Tensor:
