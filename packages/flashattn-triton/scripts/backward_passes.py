@@ -1,6 +1,7 @@
 """The backward's passes beside its kernel, against the bandwidth floor: D's preprocess (which also zeroes
-the float32 dQ sum), the same as zero_() then a D-only pass, the dQ conversion, and a 256 MB copy, each
-timed in CUDA-graph replays (median of 5); then the persistent window schedule's balance, counted in steps.
+the float32 dQ sum), the same as zero_() then a D-only pass, the dQ conversion, and a 256 MB copy, each in
+GPU time a call (_launcher.gpu_milliseconds, the tuner's timer; median of 5); then the persistent window
+schedule's balance, counted in steps.
 
     PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/backward_passes.py \
         [--heads 16] [--seqlen 16384] [--window 1024]
@@ -9,6 +10,7 @@ timed in CUDA-graph replays (median of 5); then the persistent window schedule's
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -19,27 +21,8 @@ from flashattn_triton import _launcher
 HEAD_DIM, BLOCK_M, BLOCK_N = 64, 64, 128  # the persistent Gluon backward's steps at d = 64
 
 
-def graph_microseconds(fn: Callable[[], object], calls: int = 20, rounds: int = 5) -> float:
-    """Median GPU time of one call of fn over `rounds` replays of a graph of `calls` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[rounds // 2]
+def microseconds(fn: Callable[[], object]) -> float:
+    return statistics.median(_launcher.gpu_milliseconds(fn, 20.0) for _ in range(5)) * 1e3
 
 
 def passes(heads: int, seqlen: int) -> None:
@@ -59,18 +42,19 @@ def passes(heads: int, seqlen: int) -> None:
             heads, seqlen, HEAD_DIM, seqlen, BLOCK_D=HEAD_DIM, BLOCK_M=64,
         )  # fmt: skip
 
-    copy_us = graph_microseconds(lambda: target.copy_(source))
+    copy_us = microseconds(lambda: target.copy_(source))
     bandwidth = 2 * source.nbytes / copy_us  # bytes a µs
-    moved = {"preprocess (D, zeroed sum)": 2 * out.nbytes + dq_sum.nbytes + delta.nbytes,
-             "dQ conversion": dq_sum.nbytes + dq.nbytes}  # fmt: skip
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"(1, {heads}, {seqlen}, {HEAD_DIM}) bf16")  # fmt: skip
     print(f"  copy of {source.nbytes / 2**20:.0f} MB: {copy_us:.1f} us, {bandwidth / 1e6:.2f} TB/s moved")
-    for name, fn in (("preprocess (D, zeroed sum)", lambda: preprocess(True)),
-                     ("zero_() then D-only preprocess", lambda: (dq_sum.zero_(), preprocess(False))),
-                     ("dQ conversion", lambda: dq.copy_(dq_sum))):  # fmt: skip
-        floor = f"  (floor {moved[name] / bandwidth:.1f} us)" if name in moved else ""
-        print(f"  {name:32s} {graph_microseconds(fn):7.1f} us{floor}")
+    preprocess_bytes = 2 * out.nbytes + dq_sum.nbytes + delta.nbytes
+    # (name, the pass, the bytes it must move or None)
+    timed = [("preprocess (D, zeroed sum)", lambda: preprocess(True), preprocess_bytes),
+             ("zero_() then D-only preprocess", lambda: (dq_sum.zero_(), preprocess(False)), None),
+             ("dQ conversion", lambda: dq.copy_(dq_sum), dq_sum.nbytes + dq.nbytes)]  # fmt: skip
+    for name, fn, moved in timed:
+        floor = "" if moved is None else f"  (floor {moved / bandwidth:.1f} us)"
+        print(f"  {name:32s} {microseconds(fn):7.1f} us{floor}")
 
 
 def schedule(heads: int, seqlen: int, window: int, programs: int) -> None:
