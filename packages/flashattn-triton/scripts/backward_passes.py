@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from flashattn_triton import _launcher
+from flashattn_triton import _hopper, _launcher
 
 HEAD_DIM, BLOCK_M, BLOCK_N = 64, 64, 128  # the persistent Gluon backward's steps at d = 64
 
@@ -58,20 +58,15 @@ def passes(heads: int, seqlen: int) -> None:
 
 
 def schedule(heads: int, seqlen: int, window: int, programs: int) -> None:
-    """Steps of the busiest persistent program against the average: each key tile's steps as work_item
-    counts them under a causal window, items in program_item's order."""
-    tiles = seqlen // BLOCK_N
-    full = (BLOCK_N + window + BLOCK_M - 1) // BLOCK_M
-    steps = [min(full, (seqlen - tile * BLOCK_N) // BLOCK_M) for tile in range(tiles) for _ in range(heads)]
-    programs = min(programs, len(steps))
-    load = [0] * programs
-    for k in range(-(-len(steps) // programs)):
-        for p in range(programs):
-            item = k * programs + p if k % 2 == 0 else (k + 1) * programs - 1 - p
-            if item < len(steps):
-                load[p] += steps[item]
-    print(f"  window {window}: {len(steps)} items over {programs} programs: busiest {max(load)} steps, "
-          f"average {sum(steps) / programs:.1f}")
+    """Steps of the busiest persistent program against the average: the backward's work schedule under a
+    causal window (_hopper.work_schedule), each key tile's steps as _hopper.tile_steps counts them."""
+    steps = _hopper.tile_steps("bwd", seqlen, BLOCK_M, BLOCK_N, True, window)
+    programs = min(programs, len(steps) * heads)
+    table = _hopper.work_schedule("bwd", steps, heads, programs, torch.device("cpu")).tolist()
+    offsets, items = table[: programs + 1], table[programs + 1 :]
+    load = [sum(steps[item // heads] for item in items[offsets[p] : offsets[p + 1]]) for p in range(programs)]
+    print(f"  window {window}: {len(steps) * heads} items over {programs} programs: "
+          f"busiest {max(load)} steps, average {sum(load) / programs:.1f}")  # fmt: skip
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from triton.runtime import driver
 
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 BATCH, HEADS, SEQLEN = 2, 4, 512
+SM_COUNT = 132  # an H100's: persistent programs of several work items
 
 
 class Sm90Driver:
@@ -75,13 +76,14 @@ def kernel_args(pass_name: str, numbers: list[int], head_dim: int, args: argpars
     mask_args = {"BAND": args.window is not None, "window_left": args.window or 0}
     if pass_name == "fwd":
         made = _hopper.forward_args(q, k, v, out, lse, block_m, block_n, stages, not args.full, 0.1,
-                                    mask_args, args.persistent)  # fmt: skip
+                                    mask_args, SM_COUNT if args.persistent else None)  # fmt: skip
     else:
         dkv_heads = args.kv_heads if args.per_kv_head else HEADS
         dk, dv = tensor(dkv_heads, head_dim, args.layout), tensor(dkv_heads, head_dim, args.layout)
         dq_sum = torch.zeros(BATCH, HEADS, SEQLEN, head_dim)
         made = _hopper.backward_args(q, k, v, out, dk, dv, dq_sum, lse, torch.zeros_like(lse), block_m,
-                                     block_n, stages, not args.full, 0.1, mask_args, args.persistent,
+                                     block_n, stages, not args.full, 0.1, mask_args,
+                                     SM_COUNT if args.persistent else None,
                                      args.per_kv_head)  # fmt: skip
     return {name: x.descriptor() if hasattr(x, "descriptor") else x for name, x in made.items()}
 

@@ -39,6 +39,7 @@ h // group (grouped-query attention); CAUSAL with WINDOW hides keys more than wi
 from __future__ import annotations
 
 import functools
+import heapq
 import importlib.util
 import os
 from pathlib import Path
@@ -56,6 +57,14 @@ from flashattn_triton._tiles import Tiles
 HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 FORWARD_CONSUMER_REGISTERS = 240
+# Persistent programs' work schedule (work_schedule, decisions.md#gluon-work-schedule). A work item's fixed
+# cost in steps: the backward's fit over causal windows of 128 to 4096 keys at (1, 16, 16384, 64) (1.56 µs a
+# step, 44 µs over 15.5 items a program), the forward's from decisions.md#gluon-forward-persistent (3.9 µs
+# an item, 1.1 µs a step).
+ITEM_STEPS = {"fwd": 3.5, "bwd": 1.9}
+# With fewer than two programs a head, heads start HEADS_A_CHUNK at a time, CHUNK_SHIFT tiles apart.
+HEADS_A_CHUNK, CHUNK_SHIFT = 4, 2
+_schedules: dict[tuple, torch.Tensor] = {}
 
 
 @functools.cache
@@ -159,6 +168,85 @@ def matrix(t: torch.Tensor, n: int) -> tuple[Tiles, tuple[int, int, int]]:
     return Tiles(view, (n, head_dim), _gluon().tiles), layout
 
 
+def tile_steps(pass_name: str, seqlen: int, block_m: int, block_n: int, causal: bool,
+               window_left: int | None) -> list[int]:
+    """The steps of each tile's work item of pass_name, in item order (_hopper_kernels.work_item's key tiles
+    of the backward, forward_item's query tiles of the forward, both the longest first under causal)."""
+    tiles = seqlen // block_n
+    if pass_name == "fwd":  # key tiles of block_n from the top one down to the first row's first key's
+        tops = [tiles - 1 - j if causal else tiles - 1 for j in range(tiles)]
+        first_rows = [(top if causal else j) * block_n for j, top in enumerate(tops)]
+        bottoms = [0 if window_left is None else max(row - window_left, 0) // block_n for row in first_rows]
+        return [top - bottom + 1 for top, bottom in zip(tops, bottoms, strict=True)]
+    steps = []  # query steps of block_m, from the key tile's first key under causal, to its last query's
+    for key0 in range(0, seqlen, block_n):
+        end = seqlen
+        if window_left is not None:
+            end = min(seqlen, -(-(key0 + block_n + window_left) // block_m) * block_m)
+        steps.append((end - (key0 if causal else 0)) // block_m)
+    return steps
+
+
+def work_schedule(pass_name: str, steps: list[int], heads: int, programs: int,
+                  device: torch.device) -> torch.Tensor:
+    """Which work items (tile j of head h: item j * heads + h) each of `programs` persistent programs runs,
+    in order, as int32 on device: the programs' offsets into the items that follow them, the items, and one
+    more (the kernels read the item after a program's last). steps: each tile's (tile_steps), a cost beside
+    ITEM_STEPS[pass_name] an item.
+
+    With two programs a head or more, tile-major rounds (the longest tiles first, across all heads) of one
+    item a program, every other round walked back so that a heavy item is followed by a light one; a head's
+    items run side by side and share its Q, dO and dQ sum in L2. With fewer, a head's items rarely ran at
+    once and each streamed them from DRAM (xl's (4, 25, 2048, 64) backward read 628 MB for 160 MB of
+    tensors): heads then start HEADS_A_CHUNK at a time, CHUNK_SHIFT tiles apart, and each item goes to the
+    program that a model of the costs frees first (a list schedule), which rounds could not balance. Made
+    once a problem, never in a CUDA graph capture (it is copied to the GPU)."""
+    key = (pass_name, tuple(steps), heads, programs, device)
+    schedule = _schedules.get(key)
+    if schedule is not None:
+        return schedule
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("flash_attention: this problem's first call is inside a CUDA graph capture; run "
+                           "it once before capturing (its persistent kernel's work schedule is made then)")
+    items: list[list[int]] = [[] for _ in range(programs)]
+    if programs >= 2 * heads:  # tile-major rounds of one item a program, walked back in every other round
+        for k in range(-(-len(steps) * heads // programs)):
+            for p in range(programs):
+                item = k * programs + (p if k % 2 == 0 else programs - 1 - p)
+                if item < len(steps) * heads:
+                    items[p].append(item)
+    else:
+        order = sorted((h // HEADS_A_CHUNK * CHUNK_SHIFT + j, j, h) for j in range(len(steps))
+                       for h in range(heads))  # fmt: skip
+        free = [(0.0, p) for p in range(programs)]
+        for _, j, h in order:
+            busy, p = heapq.heappop(free)
+            items[p].append(j * heads + h)
+            heapq.heappush(free, (busy + steps[j] + ITEM_STEPS[pass_name], p))
+    offsets = [0]
+    for mine in items:
+        offsets.append(offsets[-1] + len(mine))
+    table = offsets + [item for mine in items for item in mine] + [0]
+    schedule = _schedules[key] = torch.tensor(table, dtype=torch.int32).to(device)
+    return schedule
+
+
+def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, is_causal: bool,
+                   mask_args: dict[str, Any], work_heads: int, heads_an_item: int,
+                   sm_count: int | None) -> dict[str, Any]:  # fmt: skip
+    """PERSISTENT and the work schedule of a launch with sm_count programs at most (launcher's grid), or with
+    None a program an item (an empty schedule: the kernels read none)."""
+    if sm_count is None:
+        return dict(PERSISTENT=False, schedule=torch.empty(0, dtype=torch.int32, device=q.device))
+    seqlen = q.shape[2]
+    band = _band_args(is_causal, mask_args)
+    window_left = band["window_left"] if band["WINDOW"] else None
+    steps = [n * heads_an_item for n in tile_steps(pass_name, seqlen, block_m, block_n, band["CAUSAL"],
+                                                   window_left)]  # fmt: skip
+    programs = min(len(steps) * work_heads, sm_count)
+    return dict(PERSISTENT=True, schedule=work_schedule(pass_name, steps, work_heads, programs, q.device))
+
+
 def _descriptor_args(descriptors: dict[str, tuple[Tiles, tuple[int, int, int]]]) -> dict[str, Any]:
     """The kernels' arguments of each named descriptor: name_desc, and its head layout as name_zr, name_hr,
     name_hc."""
@@ -178,38 +266,44 @@ def _band_args(is_causal: bool, mask_args: dict[str, Any]) -> dict[str, Any]:
 
 def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  block_m: int, block_n: int, stages: int, is_causal: bool, scale: float,
-                 mask_args: dict[str, Any], persistent: bool = False) -> dict[str, Any]:  # fmt: skip
+                 mask_args: dict[str, Any], sm_count: int | None = None) -> dict[str, Any]:  # fmt: skip
     """attn_fwd's arguments: each consumer's block_m / 2 query rows, block_n keys a step; mask_args: the
-    plan's (its band). persistent: programs that run several work items (launcher) double-buffer Q, so
-    that the next item's load overlaps the current one's last steps."""
+    plan's (its band). sm_count: persistent programs, as many at most (launcher's grid), that run several
+    work items (work_schedule's) and double-buffer Q, so that the next item's load overlaps the current
+    one's last steps."""
     rows = block_m // 2
     descriptors = {"q": matrix(q, rows), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "o": matrix(out, rows)}  # fmt: skip
-    return dict(**_descriptor_args(descriptors), **_head_args(q, k), L=lse, qk_scale=scale * _gluon().LOG2E,
-                STAGES=stages, PERSISTENT=persistent, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS,
+    head_args = _head_args(q, k)
+    schedule = _schedule_args("fwd", q, block_m, block_n, is_causal, mask_args, head_args["ZH"], 1, sm_count)
+    return dict(**_descriptor_args(descriptors), **head_args, L=lse, qk_scale=scale * _gluon().LOG2E,
+                STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS, **schedule,
                 **_band_args(is_causal, mask_args))  # fmt: skip
 
 
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
-                  scale: float, mask_args: dict[str, Any], persistent: bool = False,
+                  scale: float, mask_args: dict[str, Any], sm_count: int | None = None,
                   per_kv_head: bool = False) -> dict[str, Any]:  # fmt: skip
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head, or with
     per_kv_head per K/V head; dq_acc: float32 (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors.
-    persistent: programs that run several work items (launcher) double-buffer K and V, so that the next
-    item's load overlaps the current one's last steps. per_kv_head: a work item is a K/V head's key tile,
+    sm_count: persistent programs, as many at most (launcher's grid), that run several work items
+    (work_schedule's) and double-buffer K and V, so that the next item's load overlaps the current one's
+    last steps. per_kv_head: a work item is a K/V head's key tile,
     through its group of query heads (work_items)."""
     kernels = _gluon()
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "do": matrix(grad_out, block_m), "dk": matrix(dk, block_n), "dv": matrix(dv, block_n)}
     head_args = _head_args(q, k)
-    if per_kv_head:
-        head_args["ZH"] = head_args["ZH"] // head_args["group"]
+    heads_an_item = head_args["group"] if per_kv_head else 1
+    head_args["ZH"] //= heads_an_item
+    schedule = _schedule_args("bwd", q, block_m, block_n, is_causal, mask_args, head_args["ZH"],
+                              heads_an_item, sm_count)
     return dict(**_descriptor_args(descriptors), **head_args, dq_desc=matrix(dq_acc, block_m)[0],
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
                 dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
-                scale=scale, STAGES=stages, PERSISTENT=persistent, PER_KV_HEAD=per_kv_head,
+                scale=scale, STAGES=stages, PER_KV_HEAD=per_kv_head, **schedule,
                 LOADER_REGS=LOADER_REGISTERS,
                 **_band_args(is_causal, mask_args))  # fmt: skip
 
@@ -218,7 +312,7 @@ def launcher(pass_name: str, work_items: int, config: ForwardConfig | BackwardCo
              sm_count: int) -> Launcher:
     """The Gluon kernel of pass_name over its grid: a program a work item (attn_fwd's query tile or
     attn_bwd's key tile of a head), or with config.persistent one program an SM (its shared memory holds
-    one), each running its share of the items (_hopper_kernels.program_item)."""
+    one), each running its items of work_schedule's (forward_args and backward_args make it)."""
     grid = min(work_items, sm_count) if config.persistent else work_items
     return Launcher(kernel(pass_name), (grid,), config)
 

@@ -102,32 +102,33 @@ def probabilities(s, l2, key0, m0, qk_scale, window_left, KEYS: gl.constexpr, la
 
 
 @gluon.jit
-def program_items(total, PERSISTENT: gl.constexpr):
-    """How many of the `total` work items this program runs (program_item's k < this): with PERSISTENT
-    (fewer programs than items) its share, else one (a program an item)."""
+def program_items(schedule, PERSISTENT: gl.constexpr):
+    """How many work items this program runs: with PERSISTENT its share of `schedule`
+    (_hopper.work_schedule's int32 offsets of each program's items, then the items), else one (a program
+    an item)."""
     if not PERSISTENT:
         return 1
-    programs = gl.num_programs(0)
-    rounds = total // programs
-    return rounds + (program_item(rounds, programs, gl.program_id(0)) < total).to(gl.int32)
+    pid = gl.program_id(0)
+    return gl.load(schedule + pid + 1) - gl.load(schedule + pid)
 
 
 @gluon.jit
-def program_item(k, programs, pid):
-    """Program pid's k-th work item: round k of the grid's order (heaviest first), walked forward in even
-    rounds and backward in odd ones. Causal items shrink along the order, so a program with a heavy item
-    in one round gets a light one in the next (in order every round, program 0 would take the heaviest
-    of each). With one program an item (`programs` = total) it is pid."""
-    return gl.where(k % 2 == 0, k * programs + pid, (k + 1) * programs - 1 - pid)
+def program_item(k, schedule, PERSISTENT: gl.constexpr):
+    """This program's k-th work item in `schedule` (program_items'), or without PERSISTENT its program id.
+    k may be one past the program's last item (a prefetch; the schedule is padded for the last
+    program's)."""
+    if not PERSISTENT:
+        return gl.program_id(0)
+    pid = gl.program_id(0)
+    return gl.load(schedule + gl.num_programs(0) + 1 + gl.load(schedule + pid) + k)
 
 
 @gluon.jit
 def work_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr):  # fmt: skip
-    """Work item `item`: key tile item // ZH (key tile 0 of every head first, the heaviest under causal)
-    of (z, h) = divmod(item % ZH, H). Returns the tile's first key, item % ZH, the first query row lo its
-    steps start from, its steps n (>= 1) and `edge`: from that step on (a window's) queries lose keys at
-    the window's far edge."""
+    """Work item `item`: key tile item // ZH (tile 0 the heaviest under causal) of (z, h) = divmod(item % ZH,
+    H). Returns the tile's first key, item % ZH, the first query row lo its steps start from, its steps n
+    (>= 1) and `edge`: from that step on (a window's) queries lose keys at the window's far edge."""
     key0 = (item // ZH) * BLOCK_N
     bh = item % ZH
     if CAUSAL:
@@ -184,19 +185,18 @@ def load_step(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring
 
 @gluon.jit
 def load_item(
-    k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
-    v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr,
-    do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    k, item, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
+    k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc,
+    do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
-    """The loader's work for this program's k-th work item (program_item), whose steps follow the
+    """The loader's work for this program's k-th work item `item`, whose steps follow the
     program's `base` earlier ones: its K and V tiles into buffer k % KV_BUFFERS, once the consumers
     released that buffer's previous item (item k - KV_BUFFERS) on kv_empty ((k // KV_BUFFERS)-th
     completion, parity as load_step's), then the query tiles of its steps (load_step), each query head's
     (item_heads) in turn. Returns the program's steps up to the item's end."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
-    item = program_item(k, gl.num_programs(0), gl.program_id(0))
     key0, bh, lo, n, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     z, h0, kv_head, heads, bh_row = item_heads(bh, H, T, group, PER_KV_HEAD)
     kb = k % KV_BUFFERS
@@ -232,24 +232,27 @@ def load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring
 
 @gluon.jit
 def loader(
-    q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs, v_bufs, ready,
-    empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T,
-    H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_M: gl.constexpr, PERSISTENT: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+    schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
+    v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr,
+    do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition: load_item for each work item of this program (PERSISTENT), or for its one
-    item. Its ring steps run on across items (the consumers count them alike), so the next item's K and V
-    (in the other buffer) and first query tiles load while the consumers finish the current item."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    items = program_items(T // BLOCK_N * ZH, PERSISTENT)
+    """The loader partition: load_item for each work item of this program (program_items; each item's number
+    read during the item before, as the consumers do). Its ring steps run on across items (the consumers count
+    them alike), so the next item's K and V (in the other buffer) and first query tiles load while the
+    consumers finish the current item."""
+    items = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
+    item = program_item(0, schedule, PERSISTENT)
     for k in range(items):
+        following = program_item(k + 1, schedule, PERSISTENT)
         base = load_item(
-            k, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
-            k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
-            v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
-            PER_KV_HEAD,
+            k, item, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
+            dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc,
+            v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES,
+            BLOCK_M, PER_KV_HEAD,
         )  # fmt: skip
+        item = following
 
 
 @gluon.jit
@@ -489,18 +492,17 @@ def consume_head(
 
 @gluon.jit
 def consume_steps(
-    k, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
+    k, item, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
     kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL: gl.constexpr,
     WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
     QUERY_MAJOR: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
-    """The steps of this program's k-th work item (program_item), which follow the program's `base`
+    """The steps of this program's k-th work item `item`, which follow the program's `base`
     earlier ones: consume_head for each of its query heads (item_heads). scores: its first step's S and
     dP if already issued (else None). Returns its dK and dV (every product retired), the program's steps
     up to the item's end, and the item's first key and head (work_item's key0, bh) for store_item."""
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
-    item = program_item(k, gl.num_programs(0), gl.program_id(0))
     key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     kb = k % KV_BUFFERS
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
@@ -563,17 +565,18 @@ def store_item(
 
 @gluon.jit
 def consumer(
-    k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready, kv_empty,
-    dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale,
-    window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
-    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+    schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
+    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale,
+    scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
+    d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
+    PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
-    """The compute partition: for each work item of this program (PERSISTENT), or for its one item,
-    consume_steps then store_item. Persistent programs issue each item's first S and dP (issue_scores)
-    before the item before goes out, so that the tensor cores run them through store_item's epilogue
-    rather than idle: a turn of the loop issues its item's, stores the item before, then runs its steps
-    (the last item is stored after the loop).
+    """The compute partition: for each work item of this program (program_items), consume_steps then
+    store_item; each item's number is read during the item before. Persistent programs issue each item's first
+    S and dP (issue_scores) before the item before goes out, so that the tensor cores run them through
+    store_item's epilogue rather than idle: a turn of the loop issues its item's, stores the item before, then
+    runs its steps (the last item is stored after the loop).
 
     Barrier phases across items (the invariant the loader keeps alike): the ring's steps are counted over
     the program, g = the steps of its earlier items + the item's own, so stage g % STAGES's `ready`
@@ -582,8 +585,9 @@ def consumer(
     completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
     stores have read it. The loader only waits on releases of steps and items before the ones it loads,
     so no wait depends on a later one."""
-    items = program_items(T // BLOCK_N * ZH, PERSISTENT)
+    items = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
+    item = program_item(0, schedule, PERSISTENT)
     if PERSISTENT:
         gl.static_assert(not QUERY_MAJOR, "issue_scores issues transposed_step's products")
         KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
@@ -595,6 +599,7 @@ def consumer(
         key0 = gl.to_tensor(0)
         bh = gl.to_tensor(0)
         for k in range(items):
+            following = program_item(k + 1, schedule, PERSISTENT)
             kb = k % KV_BUFFERS
             mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
             scores = issue_scores(base, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
@@ -602,16 +607,18 @@ def consumer(
                 store_item(k - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
                            dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
             dk, dv, base, key0, bh = consume_steps(
-                k, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-                empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW,
-                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
+                k, item, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+                ready, empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
+                WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+                PER_KV_HEAD,
             )  # fmt: skip
+            item = following
         store_item(items - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
                    dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
     else:
         for k in range(items):
             dk, dv, base, key0, bh = consume_steps(
-                k, base, None, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
+                k, item, base, None, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
                 empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW,
                 STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
             )  # fmt: skip
@@ -623,16 +630,15 @@ def consumer(
 def attn_bwd(
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, l_desc, dl_desc, q_zr, q_hr, q_hc, k_zr, k_hr,
     k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
-    qk_scale, scale, window_left,
+    qk_scale, scale, window_left, schedule,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
     PER_KV_HEAD: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
-    """Work items: the T / BLOCK_N * ZH (key tile, head) pairs, heaviest first (key tile 0 of every head,
-    then tile 1, ...; work_item): ZH = Z * H query heads, or with PER_KV_HEAD Z * H / group K/V heads, an
-    item running its group's query heads one after another (item_heads). Grid: one program an item, or
-    with PERSISTENT fewer (one an SM), each running the items program_item gives it one after another, K
-    and V in two buffers: the loader loads the next item's K, V and first query tiles while the consumers
-    finish the current one. Head
+    """Work items: the T / BLOCK_N * ZH (key tile, head) pairs (work_item): ZH = Z * H query heads, or with
+    PER_KV_HEAD Z * H / group K/V heads, an item running its group's query heads one after another
+    (item_heads). Grid: one program an item, or with PERSISTENT fewer (one an SM), each
+    running its items of `schedule` (_hopper.work_schedule) one after another, K and V in two buffers: the
+    loader loads the next item's K, V and first query tiles while the consumers finish the current one. Head
     (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr,
     _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h
     go to head h of dk_desc and dv_desc (per query head: the caller sums each group's), with PER_KV_HEAD
@@ -684,14 +690,14 @@ def attn_bwd(
     gl.thread_barrier()
 
     gl.warp_specialize([
-        (consumer, (k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
+        (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
                     kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc,
                     T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
                     BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT, PER_KV_HEAD)),
-        (loader, (q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring, k_bufs,
-                  v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr,
-                  v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M,
-                  PERSISTENT, PER_KV_HEAD)),
+        (loader, (schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
+                  dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr,
+                  k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW,
+                  STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
 
 
@@ -719,11 +725,11 @@ def forward_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.cons
 
 @gluon.jit
 def forward_load_item(
-    k, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, q_zr,
-    q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr,
-    WINDOW: gl.constexpr, STAGES: gl.constexpr,
+    k, item, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
+    empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """The loader's work for this program's k-th work item (program_item), whose key tiles follow the
+    """The loader's work for this program's k-th work item `item`, whose key tiles follow the
     program's `base` earlier ones: both consumers' Q tiles into Q buffer k % Q_BUFFERS, once the consumers
     released its item before (q_empty's (k // Q_BUFFERS)-th completion, parity as load_step's), then K and
     V of key tile top - j at the program's ring step base + j (the diagonal first, then descending), K and
@@ -732,7 +738,6 @@ def forward_load_item(
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     Q_BUFFERS: gl.constexpr = q_ready.shape[0]
-    item = program_item(k, gl.num_programs(0), gl.program_id(0))
     q0, bh, top, n = forward_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_N)
     z = bh // H
     h = bh % H
@@ -759,22 +764,25 @@ def forward_load_item(
 
 @gluon.jit
 def forward_loader(
-    q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, q_zr, q_hr,
-    q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr,
+    schedule, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, q_zr,
+    q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr,
     WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
 ):  # fmt: skip
-    """The loader partition: forward_load_item for each work item of this program (PERSISTENT), or for
-    its one item. Its ring steps run on across items (the consumers count them alike), so the next item's
-    Q (in the other buffer) and first K and V tiles load while the consumers finish the current item."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    items = program_items(T // BLOCK_N * ZH, PERSISTENT)
+    """The loader partition: forward_load_item for each work item of this program (program_items; each item's
+    number read during the item before, as the consumers do). Its ring steps run on across items (the
+    consumers count them alike), so the next item's Q (in the other buffer) and first K and V tiles load while
+    the consumers finish the current item."""
+    items = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
+    item = program_item(0, schedule, PERSISTENT)
     for k in range(items):
+        following = program_item(k + 1, schedule, PERSISTENT)
         base = forward_load_item(
-            k, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
-            empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left,
-            CAUSAL, WINDOW, STAGES,
+            k, item, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+            v_ready, empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH,
+            window_left, CAUSAL, WINDOW, STAGES,
         )  # fmt: skip
+        item = following
 
 
 @gluon.jit
@@ -839,13 +847,12 @@ def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, 
 
 
 @gluon.jit
-def forward_consume_item(
-    k, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr, o_hr,
-    o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-    ME: gl.constexpr,
+def forward_consume_item( k, item, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty,
+    turn, o_desc, L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ME: gl.constexpr,
 ):  # fmt: skip
-    """Consumer ME's work for this program's k-th work item, whose key tiles follow the program's `base`
-    earlier ones: query rows [q0 + ME * BM, + BM) of its head. Step 0 (the diagonal tile, masked under
+    """Consumer ME's work for this program's k-th work item `item`, whose key tiles follow the program's
+    `base` earlier ones: query rows [q0 + ME * BM, + BM) of its head. Step 0 (the diagonal tile, masked under
     causal) peeled, then the key tiles every row sees all of, then (a window's) those whose far keys some
     rows do not see; L and O / l out at the end (O through this item's Q buffer, handed back to the loader
     on q_empty once the store has read it: after the next item's step 0, so that no wait for the store
@@ -860,7 +867,6 @@ def forward_consume_item(
     s_layout: gl.constexpr = mma_layout(NW, BN)
     o_layout: gl.constexpr = mma_layout(NW, BD)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    item = program_item(k, gl.num_programs(0), gl.program_id(0))
     q0, bh, top, n = forward_item(item, T, ZH, window_left, CAUSAL, WINDOW, BN)
     qb = k % Q_BUFFERS
     q_s = q_smem.index(2 * qb + ME)
@@ -916,39 +922,41 @@ def forward_consume_item(
 
 @gluon.jit
 def forward_consumer(
-    q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr, o_hr, o_hc, T,
-    H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    schedule, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr, o_hr,
+    o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
     PERSISTENT: gl.constexpr, ME: gl.constexpr,
 ):  # fmt: skip
-    """Consumer ME: forward_consume_item for each work item of this program (PERSISTENT), or for its one
-    item. Barrier phases run on across items as the backward's do (consumer): ring stage g % STAGES
-    completes k_ready and v_ready for the (g // STAGES)-th time at the program's step g, turn[ME] for the
-    g-th time there (one completion a step from each consumer: both walk the same key tiles), and Q buffer
-    k % Q_BUFFERS its (k // Q_BUFFERS)-th time at item k."""
-    BN: gl.constexpr = k_ring.shape[1]
-    items = program_items(T // BN * ZH, PERSISTENT)
+    """Consumer ME: forward_consume_item for each work item of this program (program_items; each item's number
+    read during the item before). Barrier phases run on across items as the backward's do (consumer): ring
+    stage g % STAGES completes k_ready and v_ready for the (g // STAGES)-th time at the program's step g,
+    turn[ME] for the g-th time there (one completion a step from each consumer: both walk the same key tiles),
+    and Q buffer k % Q_BUFFERS its (k // Q_BUFFERS)-th time at item k."""
+    items = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
+    item = program_item(0, schedule, PERSISTENT)
     for k in range(items):
+        following = program_item(k + 1, schedule, PERSISTENT)
         base = forward_consume_item(
-            k, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
-            o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, ME,
+            k, item, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
+            o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, ME,
         )  # fmt: skip
+        item = following
     tma.store_wait(pendings=0)  # the last item's O store has read its buffer
 
 
 @gluon.jit
 def attn_fwd(
     q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, o_zr, o_hr, o_hc,
-    T, H, group, ZH, qk_scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-    PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    T, H, group, ZH, qk_scale, window_left, schedule, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
     """O and L (natural log, float32 (Z*H*T,)) with FA3's ping-pong: two 4-warp consumer partitions of BM
     rows each take turns issuing their S = QKᵀ (mbarriers `turn`), so one's softmax overlaps the other's
     products; a loader partition (the default one, left with few registers) streams Q, K and V. Key tiles
     of BLOCK_N = 2 * BM, the diagonal one first. Work items: the T / BLOCK_N * Z * H (query tile of 2 * BM
-    rows, head) pairs, tile-major, the longest causal query tiles first (forward_item). Grid: one program
-    an item, or with PERSISTENT fewer (one an SM), each running the items program_item gives it one after
-    another, Q in two buffers: the loader loads the next item's Q and first K and V tiles while the
+    rows, head) pairs (forward_item). Grid: one program an item, or with PERSISTENT fewer
+    (one an SM), each running its items of `schedule` (_hopper.work_schedule) one after another, Q in two
+    buffers: the loader loads the next item's Q and first K and V tiles while the
     consumers finish the current one. Heads start at head_start's rows and columns (as attn_bwd's); query
     head h reads K and V head h // group. WINDOW (with CAUSAL): a query also sees no key more than
     window_left before it."""
@@ -982,13 +990,13 @@ def attn_fwd(
     # The loader is the default partition: Triton leaves it the registers the consumers do not take (a
     # consumer as the default partition would ask for 256 and oversubscribe the register file).
     gl.warp_specialize([
-        (forward_loader, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
-                          empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH,
-                          window_left, CAUSAL, WINDOW, STAGES, PERSISTENT)),
-        (forward_consumer, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
-                            L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
-                            PERSISTENT, 0)),
-        (forward_consumer, (q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc,
-                            L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW,
-                            PERSISTENT, 1)),
+        (forward_loader, (schedule, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+                          v_ready, empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group,
+                          ZH, window_left, CAUSAL, WINDOW, STAGES, PERSISTENT)),
+        (forward_consumer, (schedule, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn,
+                            o_desc, L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL,
+                            WINDOW, PERSISTENT, 0)),
+        (forward_consumer, (schedule, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn,
+                            o_desc, L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL,
+                            WINDOW, PERSISTENT, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip

@@ -169,8 +169,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
     def args(c: ForwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
         if c.hopper:  # (_hopper.supports: T a multiple of 128, heads where _hopper.head_layout finds them)
+            sm_count = plan.problem.sm_count if c.persistent else None
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
-                                        is_causal, scale, mask_args, c.persistent)  # fmt: skip
+                                        is_causal, scale, mask_args, sm_count)  # fmt: skip
         split = c.kv_splits > 1
         partials = None
         if split:  # float32 O and lse of each split, of whole query tiles (stored unmasked), for the combine
@@ -289,9 +290,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             dq_acc = (torch.zeros if delta is None else torch.empty)(runs, heads, dq_acc_rows, block_d,
                                                                       dtype=torch.float32, device=q.device)
         if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
+            sm_count = plan.problem.sm_count if c.persistent else None
             return _hopper.backward_args(q_in, k_in, v_in, do_in, *kv_targets(c), dq_acc, lse, delta,
                                          c.block_m, c.block_n, c.num_stages, is_causal, scale, mask_args,
-                                         c.persistent, c.per_kv_head)  # fmt: skip
+                                         sm_count, c.per_kv_head)  # fmt: skip
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
         return phase_args(c, "both")
