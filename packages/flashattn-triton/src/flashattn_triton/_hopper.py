@@ -64,7 +64,7 @@ FORWARD_CONSUMER_REGISTERS = 240
 ITEM_STEPS = {"fwd": 3.5, "bwd": 1.9}
 # With fewer than two programs a head, heads start HEADS_A_CHUNK at a time, CHUNK_SHIFT tiles apart.
 HEADS_A_CHUNK, CHUNK_SHIFT = 4, 2
-_schedules: dict[tuple, torch.Tensor] = {}
+_schedules: dict[tuple, torch.Tensor] = {}  # _schedule_args's, by problem and device
 
 
 @functools.cache
@@ -199,12 +199,8 @@ def work_schedule(pass_name: str, steps: list[int], heads: int, programs: int,
     items run side by side and share its Q, dO and dQ sum in L2. With fewer, a head's items rarely ran at
     once and each streamed them from DRAM (xl's (4, 25, 2048, 64) backward read 628 MB for 160 MB of
     tensors): heads then start HEADS_A_CHUNK at a time, CHUNK_SHIFT tiles apart, and each item goes to the
-    program that a model of the costs frees first (a list schedule), which rounds could not balance. Made
-    once a problem, never in a CUDA graph capture (it is copied to the GPU)."""
-    key = (pass_name, tuple(steps), heads, programs, device)
-    schedule = _schedules.get(key)
-    if schedule is not None:
-        return schedule
+    program that a model of the costs frees first (a list schedule), which rounds could not balance. Never
+    in a CUDA graph capture (it is copied to the GPU)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("flash_attention: this problem's first call is inside a CUDA graph capture; run "
                            "it once before capturing (its persistent kernel's work schedule is made then)")
@@ -227,24 +223,31 @@ def work_schedule(pass_name: str, steps: list[int], heads: int, programs: int,
     for mine in items:
         offsets.append(offsets[-1] + len(mine))
     table = offsets + [item for mine in items for item in mine] + [0]
-    schedule = _schedules[key] = torch.tensor(table, dtype=torch.int32).to(device)
-    return schedule
+    return torch.tensor(table, dtype=torch.int32).to(device)
 
 
-def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, is_causal: bool,
-                   mask_args: dict[str, Any], work_heads: int, heads_an_item: int,
-                   sm_count: int | None) -> dict[str, Any]:  # fmt: skip
-    """PERSISTENT and the work schedule of a launch with sm_count programs at most (launcher's grid), or with
-    None a program an item (an empty schedule: the kernels read none)."""
+@functools.cache
+def _no_schedule(device: torch.device) -> torch.Tensor:
+    """The schedule argument of a launch of a program an item (the kernels read none)."""
+    return torch.empty(0, dtype=torch.int32, device=device)
+
+
+def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, band: dict[str, Any],
+                   work_heads: int, heads_an_item: int, sm_count: int | None) -> dict[str, Any]:  # fmt: skip
+    """PERSISTENT and the work schedule of a launch with sm_count programs at most (launcher's grid), made
+    once a problem; or with None a program an item. band: _band_args'."""
     if sm_count is None:
-        return dict(PERSISTENT=False, schedule=torch.empty(0, dtype=torch.int32, device=q.device))
-    seqlen = q.shape[2]
-    band = _band_args(is_causal, mask_args)
+        return dict(PERSISTENT=False, schedule=_no_schedule(q.device))
     window_left = band["window_left"] if band["WINDOW"] else None
-    steps = [n * heads_an_item for n in tile_steps(pass_name, seqlen, block_m, block_n, band["CAUSAL"],
-                                                   window_left)]  # fmt: skip
-    programs = min(len(steps) * work_heads, sm_count)
-    return dict(PERSISTENT=True, schedule=work_schedule(pass_name, steps, work_heads, programs, q.device))
+    key = (pass_name, q.shape[2], block_m, block_n, band["CAUSAL"], window_left, work_heads, heads_an_item,
+           sm_count, q.device)  # fmt: skip
+    schedule = _schedules.get(key)
+    if schedule is None:
+        steps = [n * heads_an_item for n in tile_steps(pass_name, q.shape[2], block_m, block_n,
+                                                       band["CAUSAL"], window_left)]  # fmt: skip
+        programs = min(len(steps) * work_heads, sm_count)
+        schedule = _schedules[key] = work_schedule(pass_name, steps, work_heads, programs, q.device)
+    return dict(PERSISTENT=True, schedule=schedule)
 
 
 def _descriptor_args(descriptors: dict[str, tuple[Tiles, tuple[int, int, int]]]) -> dict[str, Any]:
@@ -274,11 +277,10 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     rows = block_m // 2
     descriptors = {"q": matrix(q, rows), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "o": matrix(out, rows)}  # fmt: skip
-    head_args = _head_args(q, k)
-    schedule = _schedule_args("fwd", q, block_m, block_n, is_causal, mask_args, head_args["ZH"], 1, sm_count)
+    head_args, band = _head_args(q, k), _band_args(is_causal, mask_args)
+    schedule = _schedule_args("fwd", q, block_m, block_n, band, head_args["ZH"], 1, sm_count)
     return dict(**_descriptor_args(descriptors), **head_args, L=lse, qk_scale=scale * _gluon().LOG2E,
-                STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS, **schedule,
-                **_band_args(is_causal, mask_args))  # fmt: skip
+                STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS, **schedule, **band)  # fmt: skip
 
 
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
@@ -290,22 +292,20 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     per_kv_head per K/V head; dq_acc: float32 (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors.
     sm_count: persistent programs, as many at most (launcher's grid), that run several work items
     (work_schedule's) and double-buffer K and V, so that the next item's load overlaps the current one's
-    last steps. per_kv_head: a work item is a K/V head's key tile,
-    through its group of query heads (work_items)."""
+    last steps. per_kv_head: a work item is a K/V head's key tile, through its group of query heads
+    (work_items)."""
     kernels = _gluon()
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
                    "do": matrix(grad_out, block_m), "dk": matrix(dk, block_n), "dv": matrix(dv, block_n)}
-    head_args = _head_args(q, k)
+    head_args, band = _head_args(q, k), _band_args(is_causal, mask_args)
     heads_an_item = head_args["group"] if per_kv_head else 1
     head_args["ZH"] //= heads_an_item
-    schedule = _schedule_args("bwd", q, block_m, block_n, is_causal, mask_args, head_args["ZH"],
-                              heads_an_item, sm_count)
+    schedule = _schedule_args("bwd", q, block_m, block_n, band, head_args["ZH"], heads_an_item, sm_count)
     return dict(**_descriptor_args(descriptors), **head_args, dq_desc=matrix(dq_acc, block_m)[0],
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
                 dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
                 scale=scale, STAGES=stages, PER_KV_HEAD=per_kv_head, **schedule,
-                LOADER_REGS=LOADER_REGISTERS,
-                **_band_args(is_causal, mask_args))  # fmt: skip
+                LOADER_REGS=LOADER_REGISTERS, **band)  # fmt: skip
 
 
 def launcher(pass_name: str, work_items: int, config: ForwardConfig | BackwardConfig,
