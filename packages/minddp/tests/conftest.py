@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from minddp.launch import WorkerError, free_port, spawn
@@ -28,14 +29,20 @@ def _with_rank(worker: Callable[..., Any], *args: Any) -> Any:
     return worker(dist.get_rank(), dist.get_world_size(), *args)
 
 
+# Forked ranks save re-importing torch in each. But where GPUs are visible, torch's autograd starts a thread
+# a device at the first backward, after which a forked child's backward raises ("Unable to handle autograd's
+# threading in combination with fork-based multiprocessing"); ranks are spawned there. device_count() asks
+# NVML, so asking does not itself initialize CUDA.
+_START_METHOD = "spawn" if torch.cuda.device_count() > 0 else "fork"
+
+
 def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0) -> list[Any]:
-    """``worker(rank, world_size, *args)`` on ``world_size`` forked processes in one gloo group.
+    """``worker(rank, world_size, *args)`` on ``world_size`` CPU processes in one gloo group.
 
     Returns each rank's result (keep it to plain Python values), in rank order. A worker's
     exception fails the call (AssertionError) with that rank's traceback; past ``timeout``
-    seconds every worker is killed. Forking (not spawning) saves re-importing torch in every
-    worker, and lets ``worker`` be any function, a test's local one included; nothing here
-    touches CUDA. One rank runs in this process.
+    seconds every worker is killed. ``worker`` must be a module-level function (spawned ranks
+    import it). One rank runs in this process.
     """
     if dist.is_initialized():
         raise RuntimeError("run_on_ranks: a process group is initialized in the parent; destroy it first")
@@ -45,7 +52,7 @@ def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any, timeou
     try:
         # One thread each: the parent's OpenMP pool does not survive fork, and tiny tests never need it.
         return spawn(_with_rank, world_size, (worker, *args), backend="gloo", timeout_s=timeout,
-                     start_method="fork", threads_per_rank=1)
+                     start_method=_START_METHOD, threads_per_rank=1)
     except (WorkerError, TimeoutError) as exc:
         raise AssertionError(str(exc)) from None
 
