@@ -217,9 +217,9 @@ def test_autotuning_picks_a_candidate_and_stays_exact(problem, monkeypatch, lead
 def test_tuning_times_the_gpu_not_the_host():
     """A call of two ~µs launches with 1 ms of host work between them (as a split forward has its partials
     and second launch between its launches): gpu_milliseconds counts the kernels alone, so configs are
-    ranked by what they cost the GPU, not by the host's share of a call. The best of three: under pytest -n
-    16 the other workers load the host and share the GPU (one run read 0.24 ms); a timing that counted the
-    host would read >= 1 ms every time."""
+    ranked by what they cost the GPU, not by the host's share of a call. The best of three, against half the
+    host's share: under pytest -n 16 the other workers load the host and share the GPU (runs read 0.22 and
+    0.24 ms); a timing that counted the host would read >= 1 ms every time."""
     import time
 
     x = torch.ones(1024, device="cuda")
@@ -229,7 +229,7 @@ def test_tuning_times_the_gpu_not_the_host():
         time.sleep(1e-3)
         x.mul_(1.0)
 
-    assert min(_launcher.gpu_milliseconds(host_bound, 4) for _ in range(3)) < 0.1
+    assert min(_launcher.gpu_milliseconds(host_bound, 4) for _ in range(3)) < 0.5
 
 
 def test_tuning_times_the_gpu_when_the_host_slows_down():

@@ -103,24 +103,23 @@ def probabilities(s, l2, key0, m0, qk_scale, window_left, KEYS: gl.constexpr, la
 
 @gluon.jit
 def program_items(schedule, PERSISTENT: gl.constexpr):
-    """How many work items this program runs: with PERSISTENT its share of `schedule`
-    (_hopper.work_schedule's int32 offsets of each program's items, then the items), else one (a program
-    an item)."""
+    """This program's work items: how many, and where the first is. With PERSISTENT its share of `schedule`
+    (_hopper.work_schedule's int32 offsets of each program's items, then the items; the offset read once, so
+    that program_item is one load a turn), else one item (a program an item)."""
     if not PERSISTENT:
-        return 1
+        return 1, schedule
     pid = gl.program_id(0)
-    return gl.load(schedule + pid + 1) - gl.load(schedule + pid)
+    first = gl.load(schedule + pid)
+    return gl.load(schedule + pid + 1) - first, schedule + gl.num_programs(0) + 1 + first
 
 
 @gluon.jit
-def program_item(k, schedule, PERSISTENT: gl.constexpr):
-    """This program's k-th work item in `schedule` (program_items'), or without PERSISTENT its program id.
-    k may be one past the program's last item (a prefetch; the schedule is padded for the last
-    program's)."""
+def program_item(k, mine, PERSISTENT: gl.constexpr):
+    """This program's k-th work item (mine: program_items' first), or without PERSISTENT its program id. k may
+    be one past the program's last item (a prefetch; the schedule is padded for the last program's)."""
     if not PERSISTENT:
         return gl.program_id(0)
-    pid = gl.program_id(0)
-    return gl.load(schedule + gl.num_programs(0) + 1 + gl.load(schedule + pid) + k)
+    return gl.load(mine + k)
 
 
 @gluon.jit
@@ -241,11 +240,11 @@ def loader(
     read during the item before, as the consumers do). Its ring steps run on across items (the consumers count
     them alike), so the next item's K and V (in the other buffer) and first query tiles load while the
     consumers finish the current item."""
-    items = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, schedule, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT)
     for k in range(items):
-        following = program_item(k + 1, schedule, PERSISTENT)
+        following = program_item(k + 1, mine, PERSISTENT)
         base = load_item(
             k, item, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
             dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc,
@@ -585,9 +584,9 @@ def consumer(
     completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
     stores have read it. The loader only waits on releases of steps and items before the ones it loads,
     so no wait depends on a later one."""
-    items = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, schedule, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT)
     if PERSISTENT:
         gl.static_assert(not QUERY_MAJOR, "issue_scores issues transposed_step's products")
         KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
@@ -599,7 +598,7 @@ def consumer(
         key0 = gl.to_tensor(0)
         bh = gl.to_tensor(0)
         for k in range(items):
-            following = program_item(k + 1, schedule, PERSISTENT)
+            following = program_item(k + 1, mine, PERSISTENT)
             kb = k % KV_BUFFERS
             mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
             scores = issue_scores(base, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
@@ -772,11 +771,11 @@ def forward_loader(
     number read during the item before, as the consumers do). Its ring steps run on across items (the
     consumers count them alike), so the next item's Q (in the other buffer) and first K and V tiles load while
     the consumers finish the current item."""
-    items = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, schedule, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT)
     for k in range(items):
-        following = program_item(k + 1, schedule, PERSISTENT)
+        following = program_item(k + 1, mine, PERSISTENT)
         base = forward_load_item(
             k, item, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             v_ready, empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH,
@@ -931,11 +930,11 @@ def forward_consumer(
     stage g % STAGES completes k_ready and v_ready for the (g // STAGES)-th time at the program's step g,
     turn[ME] for the g-th time there (one completion a step from each consumer: both walk the same key tiles),
     and Q buffer k % Q_BUFFERS its (k // Q_BUFFERS)-th time at item k."""
-    items = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, PERSISTENT)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, schedule, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT)
     for k in range(items):
-        following = program_item(k + 1, schedule, PERSISTENT)
+        following = program_item(k + 1, mine, PERSISTENT)
         base = forward_consume_item(
             k, item, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
             o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, ME,
