@@ -134,10 +134,11 @@ def memory_rows() -> pd.DataFrame:
     ])
 
 
-def fsdp_rows() -> pd.DataFrame:
+def fsdp_rows(scale: float = 1.0) -> pd.DataFrame:
     rows = []
     for strategy, params, ms in (("torch-ddp", 500.0, 100.0), ("minddp-bucketed", 500.0, 104.0),
                                  ("torch-fsdp2", 250.0, 120.0), ("minddp-fsdp", 250.0, 126.0)):
+        params, ms = params * scale, ms * scale
         rows.append({"strategy": strategy, "compute": "fp32", "iteration_ms": ms, "params_MB": params,
                      "model_params_MB": params, "grads_MB": params, "model_grads_MB": params,
                      "optimizer_MB": 2 * params, "model_optimizer_MB": 2 * params, "model_gathered_MB": 0.0,
@@ -172,6 +173,7 @@ def write_gpu_results(results: Path) -> Path:
     for name, df in shardopt_tables().items():
         write(results, name, df)
     write(results, "fsdp", fsdp_rows(), meta={"world_size": "2"})
+    write(results, "fsdp_xl", fsdp_rows(scale=2), meta={"world_size": "2", "model": "xl"})
     write(results, "checkpointing", checkpointing_rows(), meta={"model": "small"})
     limits = {"policy": ["none", "blocks"], "largest_context": [2048, 8192], "search_limit": 32768}
     write(results, "checkpointing_max_context", pd.DataFrame(limits))
@@ -309,7 +311,9 @@ def test_shardopt_statements(gpu_report):
 def test_fsdp_statements(gpu_report):
     text = section(gpu_report[0], title_of("fsdp"))
     assert "fp32: minddp.FSDP holds 250 MB of parameters per rank, 2.00x less than DDP (500 MB)" in text
-    assert "minddp.FSDP 126 ms per iteration against FSDP2's 120 ms (+5.0%)" in text
+    assert "minddp.FSDP 126 ms per iteration against FSDP2's 120 ms (+5.0%); peak 2,000 MB a rank" in text
+    assert "Settings: model xl." in text  # each model size's file has its table and findings
+    assert "minddp.FSDP 252 ms per iteration against FSDP2's 240 ms (+5.0%); peak 3,000 MB a rank" in text
 
 
 def test_checkpointing_statements(gpu_report):

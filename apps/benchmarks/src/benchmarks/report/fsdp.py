@@ -20,20 +20,23 @@ FSDP_PARTS = ["params_MB", "grads_MB", "optimizer_MB", "other_MB"]
 
 
 def render_fsdp(ctx: Context) -> list[str]:
-    f = ctx.get("fsdp")
-    if f is None:
-        return []
-    lines = ctx.table(f, "Memory per rank (largest over ranks, MB) and time per iteration (ms); "
-                         "model_* columns: the memory model")
-    missing = missing_columns(f.df, ["strategy", "compute", "iteration_ms", "params_MB", "model_params_MB"])
-    if missing:
-        return [*lines, missing_note("The comparison", missing), ""]
-    return [*lines, *fsdp_findings(f.df), "", fsdp_plot(ctx, f.df) or ""]
+    lines: list[str] = []
+    for f in ctx.files:  # one a model size (fsdp, fsdp_xl, ...)
+        lines += ctx.table(f, "Memory per rank (largest over ranks, MB) and time per iteration (ms); "
+                              "model_* columns: the memory model")
+        missing = missing_columns(f.df, ["strategy", "compute", "iteration_ms", "params_MB", "peak_MB",
+                                         "model_params_MB"])  # fmt: skip
+        if missing:
+            lines += [missing_note("The comparison", missing), ""]
+            continue
+        lines += [*fsdp_findings(f.df), "", fsdp_plot(ctx, f.df) or ""]
+    return lines
 
 
 def fsdp_findings(df: pd.DataFrame) -> list[str]:
     by = df.assign(params=numeric(df["params_MB"]), model=numeric(df["model_params_MB"]),
-                   time=numeric(df["iteration_ms"])).set_index(["strategy", "compute"])
+                   time=numeric(df["iteration_ms"]), peak=numeric(df["peak_MB"]))
+    by = by.set_index(["strategy", "compute"])
     lines = []
     for compute in dict.fromkeys(df["compute"]):
         cases = {s: by.loc[(s, compute)] for s in ("torch-ddp", "minddp-fsdp", "torch-fsdp2")
@@ -47,9 +50,12 @@ def fsdp_findings(df: pd.DataFrame) -> list[str]:
                          f"per rank, {ddp / ours['params']:.2f}x less than DDP ({in_prose(ddp, 4)} MB); the "
                          f"model predicts {in_prose(ours['model'], 4)} MB.")
         if "torch-fsdp2" in cases:
-            theirs = cases["torch-fsdp2"]["time"]
+            theirs = cases["torch-fsdp2"]
+            time, peak = ours["time"] / theirs["time"] - 1, ours["peak"] / theirs["peak"] - 1
             lines.append(f"- {compute}: minddp.FSDP {in_prose(ours['time'], 4)} ms per iteration against "
-                         f"FSDP2's {in_prose(theirs, 4)} ms ({(ours['time'] / theirs - 1) * 100:+.1f}%).")
+                         f"FSDP2's {in_prose(theirs['time'], 4)} ms ({time * 100:+.1f}%); peak "
+                         f"{in_prose(ours['peak'], 4)} MB a rank against {in_prose(theirs['peak'], 4)} MB "
+                         f"({peak * 100:+.1f}%).")
     return lines
 
 
