@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import heapq
 import importlib.util
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -219,9 +220,7 @@ def work_schedule(pass_name: str, steps: list[int], heads: int, programs: int,
             busy, p = heapq.heappop(free)
             items[p].append(j * heads + h)
             heapq.heappush(free, (busy + steps[j] + ITEM_STEPS[pass_name], p))
-    offsets = [0]
-    for mine in items:
-        offsets.append(offsets[-1] + len(mine))
+    offsets = [0, *itertools.accumulate(map(len, items))]
     table = offsets + [item for mine in items for item in mine] + [0]
     return torch.tensor(table, dtype=torch.int32).to(device)
 
@@ -245,7 +244,7 @@ def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, 
     if schedule is None:
         steps = [n * heads_an_item for n in tile_steps(pass_name, q.shape[2], block_m, block_n,
                                                        band["CAUSAL"], window_left)]  # fmt: skip
-        programs = min(len(steps) * work_heads, sm_count)
+        programs = persistent_programs(len(steps) * work_heads, sm_count)
         schedule = _schedules[key] = work_schedule(pass_name, steps, work_heads, programs, q.device)
     return dict(PERSISTENT=True, schedule=schedule)
 
@@ -313,8 +312,14 @@ def launcher(pass_name: str, work_items: int, config: ForwardConfig | BackwardCo
     """The Gluon kernel of pass_name over its grid: a program a work item (attn_fwd's query tile or
     attn_bwd's key tile of a head), or with config.persistent one program an SM (its shared memory holds
     one), each running its items of work_schedule's (forward_args and backward_args make it)."""
-    grid = min(work_items, sm_count) if config.persistent else work_items
+    grid = persistent_programs(work_items, sm_count) if config.persistent else work_items
     return Launcher(kernel(pass_name), (grid,), config)
+
+
+def persistent_programs(work_items: int, sm_count: int) -> int:
+    """A persistent launch's programs, one an SM at most: launcher's grid, among which _schedule_args
+    divides the items (the kernels read a program's share by its id)."""
+    return min(work_items, sm_count)
 
 
 def _head_args(q: torch.Tensor, k: torch.Tensor) -> dict[str, int]:

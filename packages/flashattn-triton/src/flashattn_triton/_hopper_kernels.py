@@ -635,9 +635,9 @@ def attn_bwd(
 ):  # fmt: skip
     """Work items: the T / BLOCK_N * ZH (key tile, head) pairs (work_item): ZH = Z * H query heads, or with
     PER_KV_HEAD Z * H / group K/V heads, an item running its group's query heads one after another
-    (item_heads). Grid: one program an item, or with PERSISTENT fewer (one an SM), each
-    running its items of `schedule` (_hopper.work_schedule) one after another, K and V in two buffers: the
-    loader loads the next item's K, V and first query tiles while the consumers finish the current one. Head
+    (item_heads). Grid: one program an item, or with PERSISTENT fewer (one an SM), each running its items
+    of `schedule` (_hopper.work_schedule) one after another, K and V in two buffers: the loader loads the
+    next item's K, V and first query tiles while the consumers finish the current one. Head
     (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr,
     _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h
     go to head h of dk_desc and dv_desc (per query head: the caller sums each group's), with PER_KV_HEAD
@@ -846,9 +846,10 @@ def forward_step(g, j, top, q_s, k_ring, v_ring, k_ready, v_ready, empty, turn, 
 
 
 @gluon.jit
-def forward_consume_item( k, item, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty,
-    turn, o_desc, L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ME: gl.constexpr,
+def forward_consume_item(
+    k, item, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr,
+    o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr, ME: gl.constexpr,
 ):  # fmt: skip
     """Consumer ME's work for this program's k-th work item `item`, whose key tiles follow the program's
     `base` earlier ones: query rows [q0 + ME * BM, + BM) of its head. Step 0 (the diagonal tile, masked under
@@ -953,12 +954,11 @@ def attn_fwd(
     rows each take turns issuing their S = QKᵀ (mbarriers `turn`), so one's softmax overlaps the other's
     products; a loader partition (the default one, left with few registers) streams Q, K and V. Key tiles
     of BLOCK_N = 2 * BM, the diagonal one first. Work items: the T / BLOCK_N * Z * H (query tile of 2 * BM
-    rows, head) pairs (forward_item). Grid: one program an item, or with PERSISTENT fewer
-    (one an SM), each running its items of `schedule` (_hopper.work_schedule) one after another, Q in two
-    buffers: the loader loads the next item's Q and first K and V tiles while the
-    consumers finish the current one. Heads start at head_start's rows and columns (as attn_bwd's); query
-    head h reads K and V head h // group. WINDOW (with CAUSAL): a query also sees no key more than
-    window_left before it."""
+    rows, head) pairs (forward_item). Grid: one program an item, or with PERSISTENT fewer (one an SM),
+    each running its items of `schedule` (_hopper.work_schedule) one after another, Q in two buffers: the
+    loader loads the next item's Q and first K and V tiles while the consumers finish the current one.
+    Heads start at head_start's rows and columns (as attn_bwd's); query head h reads K and V head h //
+    group. WINDOW (with CAUSAL): a query also sees no key more than window_left before it."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     gl.static_assert(BLOCK_N == 2 * BM, "the diagonal key tile covers both consumers' rows")
