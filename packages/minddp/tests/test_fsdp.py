@@ -365,24 +365,34 @@ def test_memory_per_rank_is_a_shard_plus_the_gathered_units(ranks: Any, world_si
         assert r["after_no_grad"] == 0  # and after a forward without gradients
 
 
+def alive_after_training_and_dropping(wrap: Any) -> tuple[int, int]:
+    """Trains ``wrap(TinyLM())`` a few AdamW steps and drops it; how many of its parameters, gradients and
+    (minddp's) units are still alive, and how many gradients there were."""
+    torch.manual_seed(0)
+    wrapped = wrap(TinyLM())
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+    for tokens in batches(1):
+        loss_of(wrapped, tokens).backward()
+        getattr(wrapped, "finish_gradient_synchronization", lambda: None)()
+        optimizer.step()
+    grads = [weakref.ref(p.grad) for p in wrapped.parameters() if p.grad is not None]
+    refs = [weakref.ref(p) for p in wrapped.parameters()] + grads
+    refs += [weakref.ref(u) for u in getattr(wrapped, "units", ())]
+    del wrapped, optimizer
+    gc.collect()
+    return sum(r() is not None for r in refs), len(grads)
+
+
 @pytest.mark.parametrize("compute", COMPUTE_DTYPES)
 def test_a_dropped_fsdp_frees_its_shards_and_gradients(single_rank_group: None, compute: str) -> None:
     """Once trained and dropped, nothing keeps an FSDP's shards, gradients or units alive (the gradient
-    hooks, held by C++, once did: a benchmark's next model ran with the last one's memory taken)."""
-    torch.manual_seed(0)
-    fsdp = FSDP(TinyLM(), compute_dtype=COMPUTE_DTYPES[compute])
-    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=0.05)
-    for tokens in batches(1):
-        loss_of(fsdp, tokens).backward()
-        fsdp.finish_gradient_synchronization()
-        optimizer.step()
-    shards = [weakref.ref(p) for p in fsdp.parameters()]
-    grads = [weakref.ref(p.grad) for p in fsdp.parameters() if p.grad is not None]
-    units = [weakref.ref(u) for u in fsdp.units]
-    del fsdp, optimizer
-    gc.collect()
-    assert grads and sum(r() is not None for r in shards + grads + units) == 0
-
+    hooks, held by C++, once did: a benchmark's next model ran with the last one's memory taken), as
+    nothing keeps torch's FSDP2's, trained on the same data."""
+    dtype = COMPUTE_DTYPES[compute]
+    ours, our_grads = alive_after_training_and_dropping(lambda model: FSDP(model, compute_dtype=dtype))
+    theirs, their_grads = alive_after_training_and_dropping(lambda model: torch_fsdp2(model, dtype, 1))
+    assert our_grads and their_grads
+    assert (ours, theirs) == (0, 0)
 
 
 # --- checkpoints ------------------------------------------------------------------------------------
