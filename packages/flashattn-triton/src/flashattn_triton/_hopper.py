@@ -233,10 +233,15 @@ def _no_schedule(device: torch.device) -> torch.Tensor:
 
 def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, band: dict[str, Any],
                    work_heads: int, heads_an_item: int, sm_count: int | None) -> dict[str, Any]:  # fmt: skip
-    """PERSISTENT and the work schedule of a launch with sm_count programs at most (launcher's grid), made
-    once a problem; or with None a program an item. band: _band_args'."""
+    """PERSISTENT, ROUNDS and the work schedule of a launch with sm_count programs at most (launcher's grid),
+    made once a problem; or with None a program an item. band: _band_args'. Where work_schedule would make
+    rounds, the forward computes them in the kernel (ROUNDS) rather than read them: the read cost it 2-3%,
+    while the backward ran as fast or faster with it (decisions.md#gluon-work-schedule)."""
     if sm_count is None:
-        return dict(PERSISTENT=False, schedule=_no_schedule(q.device))
+        return dict(PERSISTENT=False, ROUNDS=False, schedule=_no_schedule(q.device))
+    items = q.shape[2] // block_n * work_heads
+    if pass_name == "fwd" and persistent_programs(items, sm_count) >= 2 * work_heads:
+        return dict(PERSISTENT=True, ROUNDS=True, schedule=_no_schedule(q.device))
     window_left = band["window_left"] if band["WINDOW"] else None
     key = (pass_name, q.shape[2], block_m, block_n, band["CAUSAL"], window_left, work_heads, heads_an_item,
            sm_count, q.device)  # fmt: skip
@@ -246,7 +251,7 @@ def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, 
                                                        band["CAUSAL"], window_left)]  # fmt: skip
         programs = persistent_programs(len(steps) * work_heads, sm_count)
         schedule = _schedules[key] = work_schedule(pass_name, steps, work_heads, programs, q.device)
-    return dict(PERSISTENT=True, schedule=schedule)
+    return dict(PERSISTENT=True, ROUNDS=False, schedule=schedule)
 
 
 def _descriptor_args(descriptors: dict[str, tuple[Tiles, tuple[int, int, int]]]) -> dict[str, Any]:

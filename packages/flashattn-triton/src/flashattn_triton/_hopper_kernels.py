@@ -102,23 +102,37 @@ def probabilities(s, l2, key0, m0, qk_scale, window_left, KEYS: gl.constexpr, la
 
 
 @gluon.jit
-def program_items(schedule, PERSISTENT: gl.constexpr):
-    """This program's work items: how many, and where the first is. With PERSISTENT its share of `schedule`
-    (_hopper.work_schedule's int32 offsets of each program's items, then the items; the offset read once, so
-    that program_item is one load a turn), else one item (a program an item)."""
+def program_items(schedule, total, PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr):
+    """This program's work items: how many, and where the first is. With PERSISTENT its share of the `total`
+    items: with ROUNDS in _hopper.work_schedule's rounds (round_item; `schedule` unread), else of `schedule`
+    (work_schedule's int32 offsets of each program's items, then the items; the offset read once, so that
+    program_item is one load a turn). Without PERSISTENT one item (a program an item)."""
     if not PERSISTENT:
         return 1, schedule
     pid = gl.program_id(0)
+    if ROUNDS:
+        programs = gl.num_programs(0)
+        rounds = total // programs
+        return rounds + (round_item(rounds, programs, pid) < total).to(gl.int32), schedule
     first = gl.load(schedule + pid)
     return gl.load(schedule + pid + 1) - first, schedule + gl.num_programs(0) + 1 + first
 
 
 @gluon.jit
-def program_item(k, mine, PERSISTENT: gl.constexpr):
+def round_item(k, programs, pid):
+    """Program pid's k-th work item in work_schedule's rounds: round k of the tile-major order, walked
+    forward in even rounds and backward in odd ones."""
+    return gl.where(k % 2 == 0, k * programs + pid, (k + 1) * programs - 1 - pid)
+
+
+@gluon.jit
+def program_item(k, mine, PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr):
     """This program's k-th work item (mine: program_items' first), or without PERSISTENT its program id. k may
     be one past the program's last item (a prefetch; the schedule is padded for the last program's)."""
     if not PERSISTENT:
         return gl.program_id(0)
+    if ROUNDS:
+        return round_item(k, gl.num_programs(0), gl.program_id(0))
     return gl.load(mine + k)
 
 
@@ -235,16 +249,17 @@ def loader(
     v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr,
     do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr, PERSISTENT: gl.constexpr,
+    ROUNDS: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: load_item for each work item of this program (program_items; each item's number
     read during the item before, as the consumers do). Its ring steps run on across items (the consumers count
     them alike), so the next item's K and V (in the other buffer) and first query tiles load while the
     consumers finish the current item."""
-    items, mine = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, T // k_desc.block_type.shape[0] * ZH, PERSISTENT, ROUNDS)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, mine, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT, ROUNDS)
     for k in range(items):
-        following = program_item(k + 1, mine, PERSISTENT)
+        following = program_item(k + 1, mine, PERSISTENT, ROUNDS)
         base = load_item(
             k, item, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
             dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc,
@@ -569,7 +584,7 @@ def consumer(
     scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
     d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
-    PER_KV_HEAD: gl.constexpr,
+    ROUNDS: gl.constexpr, PER_KV_HEAD: gl.constexpr,
 ):  # fmt: skip
     """The compute partition: for each work item of this program (program_items), consume_steps then
     store_item; each item's number is read during the item before. Persistent programs issue each item's first
@@ -584,9 +599,9 @@ def consumer(
     completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
     stores have read it. The loader only waits on releases of steps and items before the ones it loads,
     so no wait depends on a later one."""
-    items, mine = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, T // BLOCK_N * ZH, PERSISTENT, ROUNDS)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, mine, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT, ROUNDS)
     if PERSISTENT:
         gl.static_assert(not QUERY_MAJOR, "issue_scores issues transposed_step's products")
         KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
@@ -598,7 +613,7 @@ def consumer(
         key0 = gl.to_tensor(0)
         bh = gl.to_tensor(0)
         for k in range(items):
-            following = program_item(k + 1, mine, PERSISTENT)
+            following = program_item(k + 1, mine, PERSISTENT, ROUNDS)
             kb = k % KV_BUFFERS
             mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
             scores = issue_scores(base, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
@@ -631,19 +646,18 @@ def attn_bwd(
     k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
     qk_scale, scale, window_left, schedule,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    PER_KV_HEAD: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ROUNDS: gl.constexpr, PER_KV_HEAD: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """Work items: the T / BLOCK_N * ZH (key tile, head) pairs (work_item): ZH = Z * H query heads, or with
     PER_KV_HEAD Z * H / group K/V heads, an item running its group's query heads one after another
-    (item_heads). Grid: one program an item, or with PERSISTENT fewer (one an SM), each running its items
-    of `schedule` (_hopper.work_schedule) one after another, K and V in two buffers: the loader loads the
-    next item's K, V and first query tiles while the consumers finish the current one. Head
-    (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its _zr, _hr,
-    _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of head h
-    go to head h of dk_desc and dv_desc (per query head: the caller sums each group's), with PER_KV_HEAD
-    to its K/V head's. dq_desc: a float32
-    (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,). WINDOW (with CAUSAL): a query also sees no key
-    more than window_left before it."""
+    (item_heads). Grid: one program an item, or with PERSISTENT fewer (one an SM), each running its items of
+    `schedule` (_hopper.work_schedule; with ROUNDS its rounds, computed) one after another, K and V in two
+    buffers: the loader loads the next item's K, V and first query tiles while the consumers finish the
+    current one. Head (z, h) of a tensor starts at head_start's row and column of its descriptor's matrix (its
+    _zr, _hr, _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of
+    head h go to head h of dk_desc and dv_desc (per query head: the caller sums each group's), with
+    PER_KV_HEAD to its K/V head's. dq_desc: a float32 (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,).
+    WINDOW (with CAUSAL): a query also sees no key more than window_left before it."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -692,11 +706,11 @@ def attn_bwd(
         (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
                     kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc,
                     T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
-                    BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT, PER_KV_HEAD)),
+                    BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT, ROUNDS, PER_KV_HEAD)),
         (loader, (schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
                   dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr,
                   k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW,
-                  STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT)),
+                  STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT, ROUNDS)),
     ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
 
 
@@ -765,17 +779,17 @@ def forward_load_item(
 def forward_loader(
     schedule, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, q_zr,
     q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr,
-    WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: forward_load_item for each work item of this program (program_items; each item's
     number read during the item before, as the consumers do). Its ring steps run on across items (the
     consumers count them alike), so the next item's Q (in the other buffer) and first K and V tiles load while
     the consumers finish the current item."""
-    items, mine = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, T // k_desc.block_type.shape[0] * ZH, PERSISTENT, ROUNDS)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, mine, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT, ROUNDS)
     for k in range(items):
-        following = program_item(k + 1, mine, PERSISTENT)
+        following = program_item(k + 1, mine, PERSISTENT, ROUNDS)
         base = forward_load_item(
             k, item, base, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             v_ready, empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group, ZH,
@@ -924,18 +938,18 @@ def forward_consume_item(
 def forward_consumer(
     schedule, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L, o_zr, o_hr,
     o_hc, T, H, ZH, qk_scale, window_left, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-    PERSISTENT: gl.constexpr, ME: gl.constexpr,
+    PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr, ME: gl.constexpr,
 ):  # fmt: skip
     """Consumer ME: forward_consume_item for each work item of this program (program_items; each item's number
     read during the item before). Barrier phases run on across items as the backward's do (consumer): ring
     stage g % STAGES completes k_ready and v_ready for the (g // STAGES)-th time at the program's step g,
     turn[ME] for the g-th time there (one completion a step from each consumer: both walk the same key tiles),
     and Q buffer k % Q_BUFFERS its (k // Q_BUFFERS)-th time at item k."""
-    items, mine = program_items(schedule, PERSISTENT)
+    items, mine = program_items(schedule, T // k_ring.shape[1] * ZH, PERSISTENT, ROUNDS)
     base = gl.to_tensor(0)  # (a loop-carried int32)
-    item = program_item(0, mine, PERSISTENT)
+    item = program_item(0, mine, PERSISTENT, ROUNDS)
     for k in range(items):
-        following = program_item(k + 1, mine, PERSISTENT)
+        following = program_item(k + 1, mine, PERSISTENT, ROUNDS)
         base = forward_consume_item(
             k, item, base, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn, o_desc, L,
             o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL, WINDOW, ME,
@@ -948,15 +962,16 @@ def forward_consumer(
 def attn_fwd(
     q_desc, k_desc, v_desc, o_desc, L, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, o_zr, o_hr, o_hc,
     T, H, group, ZH, qk_scale, window_left, schedule, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-    STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
     """O and L (natural log, float32 (Z*H*T,)) with FA3's ping-pong: two 4-warp consumer partitions of BM
     rows each take turns issuing their S = QKᵀ (mbarriers `turn`), so one's softmax overlaps the other's
     products; a loader partition (the default one, left with few registers) streams Q, K and V. Key tiles
     of BLOCK_N = 2 * BM, the diagonal one first. Work items: the T / BLOCK_N * Z * H (query tile of 2 * BM
     rows, head) pairs (forward_item). Grid: one program an item, or with PERSISTENT fewer (one an SM),
-    each running its items of `schedule` (_hopper.work_schedule) one after another, Q in two buffers: the
-    loader loads the next item's Q and first K and V tiles while the consumers finish the current one.
+    each running its items of `schedule` (_hopper.work_schedule; with ROUNDS its rounds, computed) one after
+    another, Q in two buffers: the loader loads the next item's Q and first K and V tiles while the
+    consumers finish the current one.
     Heads start at head_start's rows and columns (as attn_bwd's); query head h reads K and V head h //
     group. WINDOW (with CAUSAL): a query also sees no key more than window_left before it."""
     BM: gl.constexpr = q_desc.block_type.shape[0]
@@ -991,11 +1006,11 @@ def attn_fwd(
     gl.warp_specialize([
         (forward_loader, (schedule, q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                           v_ready, empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, T, H, group,
-                          ZH, window_left, CAUSAL, WINDOW, STAGES, PERSISTENT)),
+                          ZH, window_left, CAUSAL, WINDOW, STAGES, PERSISTENT, ROUNDS)),
         (forward_consumer, (schedule, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn,
                             o_desc, L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL,
-                            WINDOW, PERSISTENT, 0)),
+                            WINDOW, PERSISTENT, ROUNDS, 0)),
         (forward_consumer, (schedule, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, empty, turn,
                             o_desc, L, o_zr, o_hr, o_hc, T, H, ZH, qk_scale, window_left, STAGES, CAUSAL,
-                            WINDOW, PERSISTENT, 1)),
+                            WINDOW, PERSISTENT, ROUNDS, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip
