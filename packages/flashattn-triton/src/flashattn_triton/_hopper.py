@@ -206,7 +206,7 @@ def work_schedule(pass_name: str, steps: list[int], heads: int, programs: int,
         raise RuntimeError("flash_attention: this problem's first call is inside a CUDA graph capture; run "
                            "it once before capturing (its persistent kernel's work schedule is made then)")
     items: list[list[int]] = [[] for _ in range(programs)]
-    if programs >= 2 * heads:  # tile-major rounds of one item a program, walked back in every other round
+    if in_rounds(programs, heads):  # tile-major rounds of one item a program, every other one walked back
         for k in range(-(-len(steps) * heads // programs)):
             for p in range(programs):
                 item = k * programs + (p if k % 2 == 0 else programs - 1 - p)
@@ -225,6 +225,11 @@ def work_schedule(pass_name: str, steps: list[int], heads: int, programs: int,
     return torch.tensor(table, dtype=torch.int32).to(device)
 
 
+def in_rounds(programs: int, heads: int) -> bool:
+    """Whether work_schedule runs tile-major rounds (two programs a head or more), not a list schedule."""
+    return programs >= 2 * heads
+
+
 @functools.cache
 def _no_schedule(device: torch.device) -> torch.Tensor:
     """The schedule argument of a launch of a program an item (the kernels read none)."""
@@ -239,8 +244,8 @@ def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, 
     while the backward ran as fast or faster with it (decisions.md#gluon-work-schedule)."""
     if sm_count is None:
         return dict(PERSISTENT=False, ROUNDS=False, schedule=_no_schedule(q.device))
-    items = q.shape[2] // block_n * work_heads
-    if pass_name == "fwd" and persistent_programs(items, sm_count) >= 2 * work_heads:
+    programs = persistent_programs(q.shape[2] // block_n * work_heads, sm_count)
+    if pass_name == "fwd" and in_rounds(programs, work_heads):
         return dict(PERSISTENT=True, ROUNDS=True, schedule=_no_schedule(q.device))
     window_left = band["window_left"] if band["WINDOW"] else None
     key = (pass_name, q.shape[2], block_m, block_n, band["CAUSAL"], window_left, work_heads, heads_an_item,
@@ -249,7 +254,6 @@ def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, 
     if schedule is None:
         steps = [n * heads_an_item for n in tile_steps(pass_name, q.shape[2], block_m, block_n,
                                                        band["CAUSAL"], window_left)]  # fmt: skip
-        programs = persistent_programs(len(steps) * work_heads, sm_count)
         schedule = _schedules[key] = work_schedule(pass_name, steps, work_heads, programs, q.device)
     return dict(PERSISTENT=True, ROUNDS=False, schedule=schedule)
 
