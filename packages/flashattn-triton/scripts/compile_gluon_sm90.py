@@ -15,10 +15,9 @@ bf16 inputs.
     PYTHONPATH=src python scripts/compile_gluon_sm90.py fwd:128/128/4/2 --persistent
     PYTHONPATH=src python scripts/compile_gluon_sm90.py bwd:64/128/8/2 --dims 128 --full --per-kv-head
 
-A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES: the backward's query rows a step, keys a program, consumer
-warps (BLOCK_N / 16) and ring stages; the forward's query rows a program (two consumers of half), keys a
-step, warps a consumer and stages.
-"""
+A config is PASS:BLOCK_M/BLOCK_N/WARPS/STAGES: the backward's query rows a step, keys a program, warps a
+consumer partition (BLOCK_N / 16: one partition; BLOCK_N / 32: two) and ring stages; the forward's query rows
+a program (two consumers of half), keys a step, warps a consumer and stages."""
 
 from __future__ import annotations
 
@@ -70,7 +69,7 @@ def tensor(heads: int, head_dim: int, layout: str, dtype: torch.dtype = torch.bf
 def kernel_args(pass_name: str, numbers: list[int], head_dim: int, args: argparse.Namespace) -> dict:
     from flashattn_triton import _hopper
 
-    block_m, block_n, _, stages = numbers
+    block_m, block_n, warps, stages = numbers
     q, k, v, out = (tensor(h, head_dim, args.layout) for h in (HEADS, args.kv_heads, args.kv_heads, HEADS))
     lse = torch.zeros(BATCH, HEADS, SEQLEN)
     mask_args = {"BAND": args.window is not None, "window_left": args.window or 0}
@@ -83,8 +82,8 @@ def kernel_args(pass_name: str, numbers: list[int], head_dim: int, args: argpars
         dq_sum = torch.zeros(BATCH, HEADS, SEQLEN, head_dim)
         made = _hopper.backward_args(q, k, v, out, dk, dv, dq_sum, lse, torch.zeros_like(lse), block_m,
                                      block_n, stages, not args.full, 0.1, mask_args,
-                                     SM_COUNT if args.persistent else None,
-                                     args.per_kv_head)  # fmt: skip
+                                     SM_COUNT if args.persistent else None, args.per_kv_head,
+                                     block_n // (16 * warps))  # fmt: skip
     return {name: x.descriptor() if hasattr(x, "descriptor") else x for name, x in made.items()}
 
 

@@ -50,14 +50,14 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Each program owns block_n keys and block_n queries; for dK/dV it steps through the queries
-    block_m at a time, for dQ through the keys. With atomic_dq, dQ is instead added up atomically from
-    the dK/dV loop. With hopper, the Gluon kernel of _hopper runs it (block_n / 16 consumer warps plus a
-    loader warp, num_stages ring stages). transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full
+    """Each program owns block_n keys and block_n queries; for dK/dV it steps through the queries block_m at a
+    time, for dQ through the keys. With atomic_dq, dQ is instead added up atomically from the dK/dV loop. With
+    hopper, the Gluon kernel of _hopper runs it (num_stages ring stages; consumers partitions of num_warps
+    warps, 16 keys a warp, beside a loader). transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full
     accuracy: every shared-memory operand K-major) and split runs dK/dV and dQ as two launches (see
-    _kernels.attn_bwd); both need the dQ phase, not atomic_dq. A split's dQ launch may step through the
-    keys dq_block_m at a time with dq_stages stages (block_m and num_stages where None): its resident
-    tiles and so its shared memory differ from the dK/dV launch's."""
+    _kernels.attn_bwd); both need the dQ phase, not atomic_dq. A split's dQ launch may step through the keys
+    dq_block_m at a time with dq_stages stages (block_m and num_stages where None): its resident tiles and so
+    its shared memory differ from the dK/dV launch's."""
 
     block_m: int
     block_n: int
@@ -76,6 +76,9 @@ class BackwardConfig:
     # The Gluon kernel with a program a K/V head's key tile, through its group's query heads one after
     # another (grouped-query attention): dK and dV summed in the program, not after.
     per_kv_head: bool = False
+    # The Gluon kernel's consumer partitions: one over the tile's keys, or two over half of them each, which
+    # skip the query steps that see none of their keys (decisions.md#gluon-backward-two-consumers).
+    consumers: int = 1
 
     def __post_init__(self) -> None:
         # 128 at most: the atomic variant pads its float32 dQ to whole tiles of 128 rows.
@@ -87,10 +90,15 @@ class BackwardConfig:
                              "(split=True)")
         if self.dq_stages is not None and not (isinstance(self.dq_stages, int) and self.dq_stages >= 1):
             raise ValueError(f"dq_stages={self.dq_stages}: an int from 1")
-        fits_hopper = self.atomic_dq and self.num_warps * 16 == self.block_n and self.num_stages >= 2
+        fits_hopper = (self.atomic_dq and self.consumers * self.num_warps * 16 == self.block_n
+                       and self.num_stages >= 2)  # fmt: skip
         if self.hopper and not fits_hopper:
             raise ValueError(f"{self}: the Hopper kernel adds dQ atomically (atomic_dq=True), gives each "
-                             "warp 16 keys (num_warps = block_n / 16) and needs num_stages >= 2")
+                             "warp 16 keys (num_warps = block_n / 16 / consumers) and needs num_stages >= 2")
+        if self.consumers not in (1, 2) or (self.consumers == 2 and not (
+                self.hopper and self.block_m * 2 == self.block_n and not self.per_kv_head)):
+            raise ValueError(f"consumers={self.consumers}: 1, or 2 in the Hopper kernel (hopper=True) with "
+                             "block_m = block_n / 2 and not per_kv_head")
         if self.persistent and not self.hopper:
             raise ValueError(f"{self}: persistent programs are the Gluon kernel's (hopper=True)")
         if self.per_kv_head and not (self.hopper and not self.persistent):
@@ -177,7 +185,9 @@ HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
                   F(128, 128, 4, 2, max_registers=168, hopper=True, persistent=True)]
 HOPPER_BACKWARD = {
     64: [B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
-         B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True)],
+         B(64, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True),
+         B(64, 128, 4, 4, atomic_dq=True, max_registers=168, hopper=True, consumers=2),
+         B(64, 128, 4, 4, atomic_dq=True, max_registers=168, hopper=True, persistent=True, consumers=2)],
     128: [B(32, 128, 8, 4, atomic_dq=True, max_registers=168, hopper=True),
           B(64, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True),
           B(64, 128, 8, 3, atomic_dq=True, max_registers=168, hopper=True)],
@@ -210,7 +220,7 @@ def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardC
     Hopper kernel steps down to the Triton-language kernel: its ring needs two stages; a split backward's
     dQ launch first takes the dK/dV launch's steps and stages)."""
     if config.hopper:
-        kernel_only = {"per_kv_head": False} if isinstance(config, BackwardConfig) else {}
+        kernel_only = {"per_kv_head": False, "consumers": 1} if isinstance(config, BackwardConfig) else {}
         return replace(config, hopper=False, max_registers=None, persistent=False, **kernel_only)
     if getattr(config, "dq_block_m", None) or getattr(config, "dq_stages", None):
         return replace(config, dq_block_m=None, dq_stages=None)

@@ -57,7 +57,7 @@ from flashattn_triton._tiles import Tiles
 # transposed, or 64-row query-major ones: _hopper_kernels.transposed_step, query_major_step).
 HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
-FORWARD_CONSUMER_REGISTERS = 240
+CONSUMER_REGISTERS = 240  # a 4-warp consumer partition's (the forward's two, the backward's where it has two)
 # Persistent programs' work schedule (work_schedule, decisions.md#gluon-work-schedule). A work item's fixed
 # cost in steps: the backward's fit over causal windows of 128 to 4096 keys at (1, 16, 16384, 64) (1.56 µs a
 # step, 44 µs over 15.5 items a program), the forward's from decisions.md#gluon-forward-persistent (3.9 µs
@@ -158,15 +158,16 @@ def kernel(pass_name: str) -> Any:
     return kernels.attn_fwd if pass_name == "fwd" else kernels.attn_bwd
 
 
-def matrix(t: torch.Tensor, n: int) -> tuple[Tiles, tuple[int, int, int]]:
-    """A descriptor moving tiles of n rows of (Z, H, T, d) t, over the matrix whose rows are t's time steps
-    (as far as its last head's last row reaches), and head_layout(t)."""
+def matrix(t: torch.Tensor, n: int, parts: int = 1) -> tuple[Tiles, tuple[int, int, int]]:
+    """A descriptor moving tiles of n rows of (Z, H, T, d) t (of d / parts columns: a consumer partition's
+    share), over the matrix whose rows are t's time steps (as far as its last head's last row reaches), and
+    head_layout(t)."""
     layout = head_layout(t)
     stride_t, head_dim = t.stride(2), t.shape[-1]
     rows = (t.shape[0] - 1) * layout[0] + (t.shape[1] - 1) * layout[1] + t.shape[2]
     columns = (t.shape[1] - 1) * layout[2] + head_dim
     view = t.as_strided((rows, columns), (stride_t, 1))
-    return Tiles(view, (n, head_dim), _gluon().tiles), layout
+    return Tiles(view, (n, head_dim // parts), _gluon().tiles), layout
 
 
 def tile_steps(pass_name: str, seqlen: int, block_m: int, block_n: int, causal: bool,
@@ -288,32 +289,34 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     head_args, band = _head_args(q, k), _band_args(is_causal, mask_args)
     schedule = _schedule_args("fwd", q, block_m, block_n, band, head_args["ZH"], 1, sm_count)
     return dict(**_descriptor_args(descriptors), **head_args, L=lse, qk_scale=scale * _gluon().LOG2E,
-                STAGES=stages, CONSUMER_REGS=FORWARD_CONSUMER_REGISTERS, **schedule, **band)  # fmt: skip
+                STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS, **schedule, **band)  # fmt: skip
 
 
 def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                   dk: torch.Tensor, dv: torch.Tensor, dq_acc: torch.Tensor, lse: torch.Tensor,
                   delta: torch.Tensor, block_m: int, block_n: int, stages: int, is_causal: bool,
                   scale: float, mask_args: dict[str, Any], sm_count: int | None = None,
-                  per_kv_head: bool = False) -> dict[str, Any]:  # fmt: skip
+                  per_kv_head: bool = False, consumers: int = 1) -> dict[str, Any]:  # fmt: skip
     """attn_bwd's arguments: descriptors as matrix makes them (dk and dv per query head, or with
     per_kv_head per K/V head; dq_acc: float32 (Z, H, T, d), zeroed) and over L and D as (Z*H*T,) vectors.
     sm_count: persistent programs, as many at most (launcher's grid), that run several work items
     (work_schedule's) and double-buffer K and V, so that the next item's load overlaps the current one's
     last steps. per_kv_head: a work item is a K/V head's key tile, through its group of query heads
-    (work_items)."""
+    (work_items). consumers: the kernel's consumer partitions (BackwardConfig's), each of which stores its
+    block_n / consumers keys' dK and dV and adds its d / consumers columns of dQ."""
     kernels = _gluon()
-    descriptors = {"q": matrix(q, block_m), "k": matrix(k, block_n), "v": matrix(v, block_n),
-                   "do": matrix(grad_out, block_m), "dk": matrix(dk, block_n), "dv": matrix(dv, block_n)}
+    keys = block_n // consumers
+    descriptors = {"q": matrix(q, block_m), "k": matrix(k, keys), "v": matrix(v, keys),
+                   "do": matrix(grad_out, block_m), "dk": matrix(dk, keys), "dv": matrix(dv, keys)}
     head_args, band = _head_args(q, k), _band_args(is_causal, mask_args)
     heads_an_item = head_args["group"] if per_kv_head else 1
     head_args["ZH"] //= heads_an_item
     schedule = _schedule_args("bwd", q, block_m, block_n, band, head_args["ZH"], heads_an_item, sm_count)
-    return dict(**_descriptor_args(descriptors), **head_args, dq_desc=matrix(dq_acc, block_m)[0],
+    return dict(**_descriptor_args(descriptors), **head_args, dq_desc=matrix(dq_acc, block_m, consumers)[0],
                 l_desc=Tiles(lse.view(-1), (block_m,), kernels.tiles),
                 dl_desc=Tiles(delta.view(-1), (block_m,), kernels.tiles), qk_scale=scale * kernels.LOG2E,
-                scale=scale, STAGES=stages, PER_KV_HEAD=per_kv_head, **schedule,
-                LOADER_REGS=LOADER_REGISTERS, **band)  # fmt: skip
+                scale=scale, STAGES=stages, PER_KV_HEAD=per_kv_head, CONSUMERS=consumers, **schedule,
+                LOADER_REGS=LOADER_REGISTERS, CONSUMER_REGS=CONSUMER_REGISTERS, **band)  # fmt: skip
 
 
 def launcher(pass_name: str, work_items: int, config: ForwardConfig | BackwardConfig,

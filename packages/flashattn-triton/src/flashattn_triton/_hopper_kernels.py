@@ -50,11 +50,12 @@ def mma_layout(num_warps, n):
 
 
 @gluon.constexpr_function
-def dq_layout(num_warps, block_d):
-    """wgmma layout of the dQ product [64 queries, d]: the warpgroups split d."""
+def dq_layout(num_warps, block_d, consumers):
+    """wgmma layout of a consumer partition's share of the dQ product [64 queries, d]: the warpgroups of all
+    `consumers` partitions split d."""
     groups = num_warps // 4
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
-                                     instr_shape=[16, block_d // groups, 16])  # fmt: skip
+                                     instr_shape=[16, block_d // (groups * consumers), 16])  # fmt: skip
 
 
 @gluon.jit
@@ -138,23 +139,25 @@ def program_item(k, mine, PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr):
 
 @gluon.jit
 def work_item(item, T, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):  # fmt: skip
+              BLOCK_N: gl.constexpr, HALF: gl.constexpr, PARTS: gl.constexpr):  # fmt: skip
     """Work item `item`: key tile item // ZH (tile 0 the heaviest under causal) of (z, h) = divmod(item % ZH,
-    H). Returns the tile's first key, item % ZH, the first query row lo its steps start from, its steps n
-    (>= 1) and `edge`: from that step on (a window's) queries lose keys at the window's far edge."""
-    key0 = (item // ZH) * BLOCK_N
+    H), or part HALF of its keys cut in PARTS (a consumer partition's, attn_bwd's; the whole tile: 0 of 1).
+    Returns their first key, item % ZH, the first query row lo their steps start from, their steps n (>= 1)
+    and `edge`: from that step on (a window's) queries lose keys at the window's far edge."""
+    KEYS: gl.constexpr = BLOCK_N // PARTS
+    key0 = (item // ZH) * BLOCK_N + HALF * KEYS
     bh = item % ZH
     if CAUSAL:
         lo = (key0 // BLOCK_M) * BLOCK_M
     else:
         lo = 0
     end = T
-    FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
+    FIRST: gl.constexpr = KEYS // BLOCK_M if CAUSAL else 1
     edge = (T - lo) // BLOCK_M
     if WINDOW:
-        # Queries up to key0 + BLOCK_N - 1 + window_left see the tile; from step `edge` on, a tile's last
+        # Queries up to key0 + KEYS - 1 + window_left see the keys; from step `edge` on, a step's last
         # query no longer sees key0 (its first row past key0 + window_left - BLOCK_M + 1).
-        end = gl.minimum(T, (key0 + BLOCK_N + window_left + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+        end = gl.minimum(T, (key0 + KEYS + window_left + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         first_lossy = gl.maximum(key0 + window_left + 2 - BLOCK_M - lo, 0)
         edge = gl.maximum(gl.minimum((first_lossy + BLOCK_M - 1) // BLOCK_M, (end - lo) // BLOCK_M), FIRST)
     return key0, bh, lo, (end - lo) // BLOCK_M, edge
@@ -201,25 +204,30 @@ def load_item(
     k, item, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring, dl_ring,
     k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc,
     do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """The loader's work for this program's k-th work item `item`, whose steps follow the
-    program's `base` earlier ones: its K and V tiles into buffer k % KV_BUFFERS, once the consumers
-    released that buffer's previous item (item k - KV_BUFFERS) on kv_empty ((k // KV_BUFFERS)-th
-    completion, parity as load_step's), then the query tiles of its steps (load_step), each query head's
-    (item_heads) in turn. Returns the program's steps up to the item's end."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
-    key0, bh, lo, n, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    program's `base` earlier ones: its K and V tiles into item buffer k % KV_BUFFERS (a tile of
+    k_desc's keys for each of the CONSUMERS partitions: own_keys), once the consumers released that
+    buffer's previous item (item k - KV_BUFFERS) on kv_empty ((k // KV_BUFFERS)-th completion, parity as
+    load_step's), then the query tiles of its steps (load_step), each query head's (item_heads) in turn.
+    Returns the program's steps up to the item's end."""
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = KEYS * CONSUMERS
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0] // CONSUMERS
+    key0, bh, lo, n, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N, 0, 1)
     z, h0, kv_head, heads, bh_row = item_heads(bh, H, T, group, PER_KV_HEAD)
     kb = k % KV_BUFFERS
     kv_bar = kv_ready.index(kb)
     mbarrier.wait(kv_empty.index(kb), ((k // KV_BUFFERS) & 1) ^ 1)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    mbarrier.expect(kv_bar, CONSUMERS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
     k_row, k_col = head_start(z, kv_head, k_zr, k_hr, k_hc)
     v_row, v_col = head_start(z, kv_head, v_zr, v_hr, v_hc)
-    tma.async_copy_global_to_shared(k_desc, [k_row + key0, k_col], kv_bar, k_bufs.index(kb))
-    tma.async_copy_global_to_shared(v_desc, [v_row + key0, v_col], kv_bar, v_bufs.index(kb))
+    for half in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(k_desc, [k_row + key0 + half * KEYS, k_col], kv_bar,
+                                        own_keys(k_bufs, kb, half, CONSUMERS))  # fmt: skip
+        tma.async_copy_global_to_shared(v_desc, [v_row + key0 + half * KEYS, v_col], kv_bar,
+                                        own_keys(v_bufs, kb, half, CONSUMERS))  # fmt: skip
     for j in range(heads):
         base = load_head(q_desc, do_desc, l_desc, dl_desc, q_ring, do_ring, l_ring, dl_ring, ready, empty, z,
                          h0 + j, bh_row + j * T, lo, n, base, q_zr, q_hr, q_hc, do_zr, do_hr, do_hc, STAGES,
@@ -249,13 +257,14 @@ def loader(
     v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc, v_zr, v_hr, v_hc, do_zr,
     do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
     STAGES: gl.constexpr, BLOCK_M: gl.constexpr, PER_KV_HEAD: gl.constexpr, PERSISTENT: gl.constexpr,
-    ROUNDS: gl.constexpr,
+    ROUNDS: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """The loader partition: load_item for each work item of this program (program_items; each item's number
     read during the item before, as the consumers do). Its ring steps run on across items (the consumers count
     them alike), so the next item's K and V (in the other buffer) and first query tiles load while the
     consumers finish the current item."""
-    items, mine = program_items(schedule, T // k_desc.block_type.shape[0] * ZH, PERSISTENT, ROUNDS)
+    items, mine = program_items(schedule, T // (k_desc.block_type.shape[0] * CONSUMERS) * ZH, PERSISTENT,
+                                ROUNDS)  # fmt: skip
     base = gl.to_tensor(0)  # (a loop-carried int32)
     item = program_item(0, mine, PERSISTENT, ROUNDS)
     for k in range(items):
@@ -264,68 +273,83 @@ def loader(
             k, item, base, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
             dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr, k_hc,
             v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW, STAGES,
-            BLOCK_M, PER_KV_HEAD,
+            BLOCK_M, PER_KV_HEAD, CONSUMERS,
         )  # fmt: skip
         item = following
 
 
 @gluon.jit
-def issue_scores(g, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES: gl.constexpr, s_layout: gl.constexpr):
-    """Step g's S^T = K Q^T and dP^T = V dO^T (transposed_step's first products, K and V of buffer kb),
-    issued once its query tile has landed: stage g % STAGES completes once every STAGES steps, so its
-    wait is for parity (g // STAGES) & 1."""
-    if k_bufs.shape[0] > 1:
+def own_keys(bufs, kb, HALF: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Consumer partition HALF's keys of K or V (bufs) in item buffer kb: an item's K and V sit in CONSUMERS
+    buffers, one a partition (attn_bwd)."""
+    return bufs.index(kb * CONSUMERS + HALF)
+
+
+@gluon.jit
+def issue_scores(g, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                 HALF: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
+    """Step g's S^T = K Q^T and dP^T = V dO^T (transposed_step's first products, over consumer partition
+    HALF's keys of K and V's item buffer kb: own_keys), issued once its query tile has landed: stage
+    g % STAGES completes once every STAGES steps, so its wait is for parity (g // STAGES) & 1."""
+    if k_bufs.shape[0] > CONSUMERS:
         # kb varies between items: the descriptors of K and V, hoisted out of the loops, held registers
         # enough to spill (112 bytes with a window at d = 64)
         kb = kb + step_zero(g)
     s = g % STAGES
     mbarrier.wait(ready.index(s), (g // STAGES) & 1)
-    BLOCK_N: gl.constexpr = k_bufs.shape[1]
     BLOCK_M: gl.constexpr = q_ring.shape[1]
-    zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    s_t = warpgroup_mma(k_bufs.index(kb), q_ring.index(s).permute((1, 0)), zero_s, use_acc=False,
-                        is_async=True)  # fmt: skip
-    dp_t = warpgroup_mma(v_bufs.index(kb), do_ring.index(s).permute((1, 0)), zero_s, use_acc=False,
-                         is_async=True)  # fmt: skip
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    zero_s = gl.zeros([KEYS, BLOCK_M], gl.float32, s_layout)
+    s_t = warpgroup_mma(own_keys(k_bufs, kb, HALF, CONSUMERS), q_ring.index(s).permute((1, 0)), zero_s,
+                        use_acc=False, is_async=True)  # fmt: skip
+    dp_t = warpgroup_mma(own_keys(v_bufs, kb, HALF, CONSUMERS), do_ring.index(s).permute((1, 0)), zero_s,
+                         use_acc=False, is_async=True)  # fmt: skip
     return s_t, dp_t
 
 
 @gluon.jit
 def step(
-    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-    empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
+    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready, dq_ring,
+    ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG: gl.constexpr,
+    EDGE: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
+    QUERY_MAJOR: gl.constexpr, HALF: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """The program's step g in the consumers' form: query_major_step's, or transposed_step's (scores:
     its S and dP already issued, or None)."""
     if QUERY_MAJOR:
-        gl.static_assert(scores is None)
+        gl.static_assert(scores is None and CONSUMERS == 1)
         dk, dv = query_major_step(
-            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, dq_ring,
             ready, empty, dq_desc, dk, dv, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
             BLOCK_N, BLOCK_D, s_layout,
         )  # fmt: skip
     else:
         dk, dv = transposed_step(
-            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-            ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG, EDGE, STAGES, BLOCK_M,
-            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+            dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG, EDGE, STAGES,
+            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, HALF, CONSUMERS,
         )  # fmt: skip
     return dk, dv
 
 
 @gluon.jit
 def transposed_step(
-    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-    empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG: gl.constexpr, EDGE: gl.constexpr,
-    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
+    g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready, dq_ring,
+    ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, DIAG: gl.constexpr,
+    EDGE: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
+    HALF: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    """The program's step g, of the consumer warpgroups, with the scores transposed (keys are the rows):
-    the query tile from row first + g * BLOCK_M of the head, with K and V of buffer kb, masked as
-    visible's DIAG and EDGE say; returns dK and dV (dK still in flight). dS^T: a buffer of one (ds_one).
-    scores: S^T and dP^T as issue_scores issued them (the item before's end did), or None: issued here.
+    """The program's step g, of consumer partition HALF of CONSUMERS over its keys of the tile (key0 the
+    first), with the scores transposed (keys are the rows): the query tile from row first +
+    g * BLOCK_M of the head, with K and V of buffer kb, masked as visible's DIAG and EDGE say; returns dK
+    and dV of those keys (dK still in flight). scores: S^T and dP^T as issue_scores issued them (the item
+    before's end did), or None: issued here.
+
+    One partition over the whole tile keeps dS^T in ds_bufs[0] and computes dQ = dS K (its warpgroups
+    split d). Two each write their dS^T into a buffer of step g's (paired_dq) and compute their half of d's
+    columns over both halves' keys.
 
     Where d = BLOCK_N (d = 128 at 8 warps), dQ is computed transposed, dQ^T = K^T dS^T: its d rows split
     over the warps as the keys do, [d, BLOCK_M] in s_layout, which takes BLOCK_M = 32 (a 32-row dQ = dS K
@@ -336,13 +360,13 @@ def transposed_step(
     TRANSPOSED_DQ: gl.constexpr = BLOCK_D == BLOCK_N
     zero = step_zero(g)
     made_here = kb + zero  # buffer kb, its wgmma descriptors made in the step
-    k_smem = k_bufs.index(made_here if k_bufs.shape[0] > 1 else kb)  # (as issue_scores's)
-    ds_smem = ds_one.index(0)
+    k_smem = k_bufs.index(made_here if k_bufs.shape[0] > 1 else kb)  # (as issue_scores's; one partition's)
     s = g % STAGES
     m0 = first + g * BLOCK_M
     dtype: gl.constexpr = k_smem.dtype
     if scores is None:
-        s_t, dp_t = issue_scores(g, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
+        s_t, dp_t = issue_scores(g, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout, HALF,
+                                 CONSUMERS)  # fmt: skip
     else:
         s_t, dp_t = scores
     q_s = q_ring.index(s)
@@ -354,7 +378,7 @@ def transposed_step(
     # dK(g-1), the last reader of Q(g-1) (dV(g-1), the last reader of dO(g-1), retired in step g-1), and
     # S(g).
     s_t = warpgroup_mma_wait(num_outstanding=1, deps=[s_t])
-    # The dQ reduction of step g-2 must have read dq_ring[g % 2] before it is overwritten below.
+    # The dQ reduction of step g-2 must have read its buffer before it is overwritten below.
     tma.store_wait(pendings=1)
     # Every consumer warp is past both waits: stage (g-1) % STAGES and the dQ buffer are free. One
     # arrival hands the stage back to the loader (none at g = 0; an item's first step releases the last
@@ -369,29 +393,94 @@ def transposed_step(
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
 
     ds_t = (p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype)
-    # dS^T to shared memory for the dQ product (its last reader, dQ(g-1), retired in step g-1). Writes
-    # by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
-    ds_smem.store(ds_t)
-    fence_async_shared()
-    gl.thread_barrier()
-    if TRANSPOSED_DQ:
-        dq = warpgroup_mma(k_bufs.index(made_here).permute((1, 0)), ds_one.index(zero),
-                           gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False, is_async=True)
+    # dS^T to shared memory for the dQ product (its last reader here, dQ(g-1), retired in step g-1).
+    # Writes by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
+    if CONSUMERS > 1:
+        ds_bufs.index(2 * (g % 2) + HALF).store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        dq = paired_dq(g, kb, k_bufs, ds_bufs, ds_ready, q_layout, HALF, None)
     else:
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
-                           q_layout), use_acc=False, is_async=True)  # fmt: skip
+        ds_smem = ds_bufs.index(0)
+        ds_smem.store(ds_t)
+        fence_async_shared()
+        gl.thread_barrier()
+        if TRANSPOSED_DQ:
+            dq = warpgroup_mma(k_bufs.index(made_here).permute((1, 0)), ds_bufs.index(zero),
+                               gl.zeros([BLOCK_D, BLOCK_M], gl.float32, s_layout), use_acc=False,
+                               is_async=True)  # fmt: skip
+        else:
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([BLOCK_M, BLOCK_D], gl.float32,
+                               q_layout), use_acc=False, is_async=True)  # fmt: skip
     dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
-    # In flight: dV(g), dQ(g), dK(g). Down to one retires dV(g) and dQ(g); dK(g) runs on.
-    dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
-    # The dQ share through shared memory (fp32) to a TMA reduce-add: fence, barrier, one issue.
-    dq_buf = dq_ring.index(g % 2)
-    if TRANSPOSED_DQ:
-        dq_buf = dq_buf.permute((1, 0))
-    dq_buf.store(dq * scale)
+    if CONSUMERS > 1:
+        # (all retired: dK(g) left in flight too serialized every wgmma, C7512)
+        dq, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dq, dk])
+    else:
+        # In flight: dV(g), dQ(g), dK(g). Down to one retires dV(g) and dQ(g); dK(g) runs on.
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
+    reduce_dq(g, dq, dq_ring, dq_desc, bh_row + m0, scale, TRANSPOSED_DQ, HALF)
+    return dk, dv
+
+
+@gluon.jit
+def paired_dq(g, kb, k_bufs, ds_bufs, ds_ready, q_layout: gl.constexpr, HALF: gl.constexpr,
+              FROM: gl.constexpr):  # fmt: skip
+    """Step g's dQ = dS K in consumer partition HALF's half of d's columns (of attn_bwd's two), issued once
+    both partitions' dS^T are in ds_bufs[2 * (g % 2) + partition]: each arrives on ds_ready[g % 2] once its
+    own is there (an idle_step's zeros). Over both halves' keys (K of item buffer kb), or FROM's
+    alone (the other half's keys see none of the step's queries). A partition writes step g + 2's dS^T only
+    past step g + 1's arrivals, each made after that partition's dQ(g) retired, so its buffer is free then."""
+    b = g % 2
+    mbarrier.arrive(ds_ready.index(b))
+    mbarrier.wait(ds_ready.index(b), (g // 2) & 1)
+    BLOCK_M: gl.constexpr = ds_bufs.shape[2]
+    COLS: gl.constexpr = k_bufs.shape[2] // 2
+    kb = kb + step_zero(g)  # (descriptors made in the step, as transposed_step's)
+    dq = gl.zeros([BLOCK_M, COLS], gl.float32, q_layout)
+    for half in gl.static_range(2):
+        if FROM is None or FROM == half:
+            dq = warpgroup_mma(ds_bufs.index(2 * b + half).permute((1, 0)),
+                               k_bufs.index(2 * kb + half).slice(HALF * COLS, COLS, dim=1), dq,
+                               use_acc=FROM is None and half > 0, is_async=True)  # fmt: skip
+    return dq
+
+
+@gluon.jit
+def idle_step(g, row, kb, k_bufs, ds_bufs, ds_ready, dq_ring, empty, dq_desc, scale, STAGES: gl.constexpr,
+              s_layout: gl.constexpr, q_layout: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
+    """Step g of consumer partition HALF (of attn_bwd's two) where its keys see none of the step's queries
+    (under causal the second's first step of a tile, under a window the first's last): its dS^T is zero
+    (written, for the other's dQ product), and of its products only its columns of dQ, from the other's
+    dS (paired_dq), added into the sum from row `row`; then stage g - 1 back to the loader, as
+    transposed_step hands it."""
+    KEYS: gl.constexpr = ds_bufs.shape[1]
+    BLOCK_M: gl.constexpr = ds_bufs.shape[2]
+    ds_bufs.index(2 * (g % 2) + HALF).store(gl.zeros([KEYS, BLOCK_M], ds_bufs.dtype, s_layout))
     fence_async_shared()
     gl.thread_barrier()
-    tma_reduce_add(dq_desc, [bh_row + m0, 0], dq_ring.index(g % 2))
-    return dk, dv
+    dq = paired_dq(g, kb, k_bufs, ds_bufs, ds_ready, q_layout, HALF, 1 - HALF)
+    # (waiting for every product: also this partition's dK(g-1), the last reader of Q(g-1))
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    tma.store_wait(pendings=1)
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
+    reduce_dq(g, dq, dq_ring, dq_desc, row, scale, False, HALF)
+
+
+@gluon.jit
+def reduce_dq(g, dq, dq_ring, dq_desc, row, scale, TRANSPOSED: gl.constexpr, HALF: gl.constexpr):
+    """Step g's dQ share `dq` (TRANSPOSED: dQ^T), times scale, added into the float32 sum from
+    row `row`, in the columns of consumer partition HALF (0 alone), through shared memory (buffer
+    2 * HALF + g % 2; the reduction that last read it, step g-2's, waited for) to one TMA reduce-add:
+    fence, barrier, one issue."""
+    buf = dq_ring.index(2 * HALF + g % 2)
+    if TRANSPOSED:
+        buf = buf.permute((1, 0))
+    buf.store(dq * scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma_reduce_add(dq_desc, [row, HALF * dq_ring.shape[2]], dq_ring.index(2 * HALF + g % 2))
 
 
 @gluon.jit
@@ -459,107 +548,138 @@ def query_major_step(
 
 @gluon.jit
 def consume_head(
-    g0, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-    ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL: gl.constexpr,
+    g0, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+    dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL: gl.constexpr,
     WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
-    QUERY_MAJOR: gl.constexpr,
+    QUERY_MAJOR: gl.constexpr, HALF: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    """One query head's n steps of a work item (work_item's key0, lo, n, edge), from the program's step g0 on,
-    its L, D and dQ rows from bh_row: the diagonal steps masked (under causal; else step 0 alone, unmasked),
-    up to two unrolled and the rest in a loop, then the steps that see every key in a loop, then (a window's)
-    those from step `edge` on that lose keys at its far edge. Returns dK and dV (dK still in flight). scores:
-    step g0's S and dP if already issued (else None). Peeling step 0 keeps ptxas from serializing every wgmma:
-    a loop that may run zero times would feed zero-initialised accumulators into the epilogue's wait. Four
-    unrolled diagonal steps (32-row steps) spilled at d = 128."""
-    FIRST: gl.constexpr = BLOCK_N // BLOCK_M if CAUSAL else 1
+    """One query head's n steps of consumer partition HALF's keys in a work item (work_item's key0, lo, n,
+    edge for them), from the program's step g0 on, its L, D and dQ rows from bh_row: the diagonal steps masked
+    (under causal; else step 0 alone, unmasked), up to two unrolled and the rest in a loop, then the steps
+    that see every key in a loop, then (a window's) those from step `edge` on that lose keys at its far edge.
+    Returns dK and dV (dK still in flight). scores: step g0's S and dP if already issued (else None). Peeling
+    step 0 keeps ptxas from serializing every wgmma: a loop that may run zero times would feed
+    zero-initialised accumulators into the epilogue's wait. Four unrolled diagonal steps (32-row steps)
+    spilled at d = 128."""
+    FIRST: gl.constexpr = k_bufs.shape[1] // BLOCK_M if CAUSAL else 1
     UNROLLED: gl.constexpr = FIRST if FIRST <= 2 else 1
     first = lo - g0 * BLOCK_M  # the query rows of step g: first + g * BLOCK_M
     for i in gl.static_range(UNROLLED):
         dk, dv = step(
-            g0 + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
-            dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL, WINDOW,
-            STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+            g0 + i, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs,
+            ds_ready, dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL,
+            WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF,
+            CONSUMERS,
         )  # fmt: skip
         scores = None
     for g in range(g0 + UNROLLED, g0 + FIRST):
         dk, dv = step(
-            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-            ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
-            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+            dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, CAUSAL, WINDOW,
+            STAGES,
+            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
         )  # fmt: skip
     for g in range(g0 + FIRST, g0 + edge):
         dk, dv = step(
-            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-            ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, False, False, STAGES, BLOCK_M,
-            BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+            g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+            dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, False, False, STAGES,
+            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
         )  # fmt: skip
     if WINDOW:
         for g in range(g0 + edge, g0 + n):
             dk, dv = step(
-                g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
-                dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, False, True,
-                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+                g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs,
+                ds_ready, dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, False,
+                True, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF,
+                CONSUMERS,
             )  # fmt: skip
     return dk, dv
 
 
 @gluon.jit
 def consume_steps(
-    k, item, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
-    kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL: gl.constexpr,
-    WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr,
-    QUERY_MAJOR: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+    k, item, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready, dq_ring,
+    ready, empty, kv_ready, k_read, dq_desc, T, H, group, ZH, qk_scale, scale, window_left,
+    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr, d_layout: gl.constexpr,
+    q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PER_KV_HEAD: gl.constexpr, HALF: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):  # fmt: skip
     """The steps of this program's k-th work item `item`, which follow the program's `base`
-    earlier ones: consume_head for each of its query heads (item_heads). scores: its first step's S and
-    dP if already issued (else None). Returns its dK and dV (every product retired), the program's steps
-    up to the item's end, and the item's first key and head (work_item's key0, bh) for store_item."""
-    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
-    key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    earlier ones: consume_head for each of its query heads (item_heads), over consumer partition HALF's keys
+    (of CONSUMERS). scores: its first own step's S and dP if already issued (else
+    None). Returns its dK and dV (every product retired), the program's steps up to the item's end, and the
+    item's first key and head (work_item's key0, bh) for store_item.
+
+    Of two partitions (attn_bwd's CONSUMERS), each runs every step of the item (the loader's: the whole
+    tile's), its own (consume_head) and, where its keys see none of a step's queries, idle_step: under
+    causal the second's first step (LEAD), under a window the first's last. Then it arrives on k_read: its
+    dQ products, which read both halves of K, have retired."""
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0] // CONSUMERS
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    LEAD: gl.constexpr = HALF * KEYS // BLOCK_M if CAUSAL else 0
+    key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N, HALF,
+                                      CONSUMERS)  # fmt: skip
     kb = k % KV_BUFFERS
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout))
+    dk = warpgroup_mma_init(gl.zeros([KEYS, BLOCK_D], gl.float32, d_layout))
+    dv = warpgroup_mma_init(gl.zeros([KEYS, BLOCK_D], gl.float32, d_layout))
     if scores is None:  # (else its issuer waited)
         mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
     # A loop over all heads serialized every wgmma (C7515: moves define the accumulators): head 0 peeled.
     # item_heads is called at the item's start and again at its end (store_item): its numbers held across
     # the steps changed every build's registers.
     z, h0, kv_head, heads, bh_row = item_heads(bh, H, T, group, PER_KV_HEAD)
+    for i in gl.static_range(LEAD):
+        idle_step(base + i, bh_row + lo - (LEAD - i) * BLOCK_M, kb, k_bufs, ds_bufs, ds_ready, dq_ring, empty,
+                  dq_desc, scale, STAGES, s_layout, q_layout, HALF)  # fmt: skip
     dk, dv = consume_head(
-        base, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one,
-        dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES,
-        BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+        base + LEAD, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs,
+        ds_ready, dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL,
+        WINDOW,
+        STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
     )  # fmt: skip
     if PER_KV_HEAD:
         for j in range(1, heads):
             dk, dv = consume_head(
                 base + j * n, (z * H + h0 + j) * T, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring,
-                l_ring, dl_ring, ds_one, dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale,
-                window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
-                q_layout, QUERY_MAJOR,
+                l_ring, dl_ring, ds_bufs, ds_ready, dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale,
+                scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout,
+                q_layout, QUERY_MAJOR, HALF, CONSUMERS,
             )  # fmt: skip
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=[dk, dv])
+    steps = LEAD + n
+    if CONSUMERS > 1:
+        _, _, _, tile_steps, _ = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N, 0, 1)
+        for g in range(base + steps, base + tile_steps):
+            idle_step(g, bh_row + lo + (g - base - LEAD) * BLOCK_M, kb, k_bufs, ds_bufs, ds_ready, dq_ring,
+                      empty, dq_desc, scale, STAGES, s_layout, q_layout, HALF)  # fmt: skip
+        steps = tile_steps
+        mbarrier.arrive(k_read.index(kb))
     _, _, _, heads, _ = item_heads(bh, H, T, group, PER_KV_HEAD)
-    return dk, dv, base + heads * n, key0, bh
+    return dk, dv, base + heads * steps, key0 - HALF * KEYS, bh
 
 
 @gluon.jit
 def store_item(
-    k, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc,
-    T, H, group, scale, PER_KV_HEAD: gl.constexpr,
+    k, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, k_read, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr,
+    dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD: gl.constexpr, HALF: gl.constexpr, CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    """Work item k's dK and dV (its first key key0, of head bh: work_item's) out through TMA to its head
-    (a K/V head's with PER_KV_HEAD; K's and V's buffers stage them), then the K/V buffer back to the
-    loader on kv_empty."""
-    KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+    """Work item k's dK and dV of consumer partition HALF's keys (of CONSUMERS; the tile's first key key0,
+    of head bh: work_item's) out through TMA to its head (a K/V head's with PER_KV_HEAD; the partition's
+    K and V buffers stage them), then the item's K/V buffer back to the loader on kv_empty (an arrival
+    from each partition)."""
+    KV_BUFFERS: gl.constexpr = k_bufs.shape[0] // CONSUMERS
+    KEYS: gl.constexpr = k_bufs.shape[1]
     kb = k % KV_BUFFERS
+    if CONSUMERS > 1:
+        # the other partition's dQ products read this partition's K too: its k_read arrival came after them
+        mbarrier.wait(k_read.index(kb), (k // KV_BUFFERS) & 1)
     # Every warp's products have read K and V before their buffers stage dK and dV (the dQ reductions
     # read dq_ring, not these: the stores' wait below covers them).
     gl.thread_barrier()
-    k_smem = k_bufs.index(kb)
-    v_smem = v_bufs.index(kb)
+    k_smem = own_keys(k_bufs, kb, HALF, CONSUMERS)
+    v_smem = own_keys(v_bufs, kb, HALF, CONSUMERS)
     k_smem.store((dk * scale).to(k_smem.dtype))
     v_smem.store(dv.to(v_smem.dtype))
     fence_async_shared()
@@ -568,8 +688,8 @@ def store_item(
     out_head = kv_head if PER_KV_HEAD else h0
     dk_row, dk_col = head_start(z, out_head, dk_zr, dk_hr, dk_hc)
     dv_row, dv_col = head_start(z, out_head, dv_zr, dv_hr, dv_hc)
-    tma.async_copy_shared_to_global(dk_desc, [dk_row + key0, dk_col], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [dv_row + key0, dv_col], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [dk_row + key0 + HALF * KEYS, dk_col], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [dv_row + key0 + HALF * KEYS, dv_col], v_smem)
     # Both stores have read the buffers: every warp's wait done, one arrival hands them to the loader
     # (for item k + KV_BUFFERS).
     tma.store_wait(pendings=0)
@@ -579,65 +699,75 @@ def store_item(
 
 @gluon.jit
 def consumer(
-    schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty, kv_ready,
-    kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale,
-    scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, s_layout: gl.constexpr,
-    d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr, PERSISTENT: gl.constexpr,
-    ROUNDS: gl.constexpr, PER_KV_HEAD: gl.constexpr,
+    schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready, dq_ring, ready, empty,
+    kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H,
+    group, ZH, qk_scale, scale, window_left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+    STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+    s_layout: gl.constexpr, d_layout: gl.constexpr, q_layout: gl.constexpr, QUERY_MAJOR: gl.constexpr,
+    PERSISTENT: gl.constexpr, ROUNDS: gl.constexpr, PER_KV_HEAD: gl.constexpr, HALF: gl.constexpr,
+    CONSUMERS: gl.constexpr,
 ):  # fmt: skip
-    """The compute partition: for each work item of this program (program_items), consume_steps then
-    store_item; each item's number is read during the item before. Persistent programs issue each item's first
-    S and dP (issue_scores) before the item before goes out, so that the tensor cores run them through
-    store_item's epilogue rather than idle: a turn of the loop issues its item's, stores the item before, then
-    runs its steps (the last item is stored after the loop).
+    """Compute partition HALF of CONSUMERS (attn_bwd's), over its keys of each tile (all of them, or half):
+    for each work item of this program (program_items), consume_steps then store_item; each item's number is
+    read during the item before. Persistent programs issue each item's first S and dP of their own
+    (issue_scores) before the item before goes out, so that the tensor cores run them through store_item's
+    epilogue rather than idle: a turn of the loop issues its item's, stores the item before, then runs its
+    steps (the last item is stored after the loop).
 
     Barrier phases across items (the invariant the loader keeps alike): the ring's steps are counted over
     the program, g = the steps of its earlier items + the item's own, so stage g % STAGES's `ready`
-    completes for the (g // STAGES)-th time at step g and `empty` is released for step g - 1 in step g
-    whatever the item (an item's first step releases the previous item's last); K/V buffer k % KV_BUFFERS
-    completes kv_ready for the (k // KV_BUFFERS)-th time at item k, and kv_empty once its dK and dV
-    stores have read it. The loader only waits on releases of steps and items before the ones it loads,
-    so no wait depends on a later one."""
+    completes for the (g // STAGES)-th time at step g and `empty` is released by each partition for step
+    g - 1 in step g whatever the item (an item's first step releases the previous item's last); ds_ready
+    (two partitions) buffer g % 2 completes for the (g // 2)-th time at step g; K/V buffer k % KV_BUFFERS
+    completes kv_ready and k_read for the (k // KV_BUFFERS)-th time at item k, and kv_empty once every
+    partition's dK and dV stores have read it. The loader only waits on releases of steps and items before
+    the ones it loads, so no wait depends on a later one."""
     items, mine = program_items(schedule, T // BLOCK_N * ZH, PERSISTENT, ROUNDS)
     base = gl.to_tensor(0)  # (a loop-carried int32)
     item = program_item(0, mine, PERSISTENT, ROUNDS)
+    KEYS: gl.constexpr = k_bufs.shape[1]
+    LEAD: gl.constexpr = HALF * KEYS // BLOCK_M if CAUSAL else 0  # (consume_steps's idle first steps)
     if PERSISTENT:
         gl.static_assert(not QUERY_MAJOR, "issue_scores issues transposed_step's products")
-        KV_BUFFERS: gl.constexpr = k_bufs.shape[0]
+        KV_BUFFERS: gl.constexpr = k_bufs.shape[0] // CONSUMERS
         # dK and dV of the item before, stored once this item's first S and dP are in flight (carried
         # across the loop as finished values: in-flight products carried across it serialized every
         # wgmma, C7514)
-        dk = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout)
-        dv = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, d_layout)
+        dk = gl.zeros([KEYS, BLOCK_D], gl.float32, d_layout)
+        dv = gl.zeros([KEYS, BLOCK_D], gl.float32, d_layout)
         key0 = gl.to_tensor(0)
         bh = gl.to_tensor(0)
         for k in range(items):
             following = program_item(k + 1, mine, PERSISTENT, ROUNDS)
             kb = k % KV_BUFFERS
             mbarrier.wait(kv_ready.index(kb), (k // KV_BUFFERS) & 1)
-            scores = issue_scores(base, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout)
+            scores = issue_scores(base + LEAD, kb, k_bufs, v_bufs, q_ring, do_ring, ready, STAGES, s_layout,
+                                  HALF, CONSUMERS)  # fmt: skip
             if k > 0:
-                store_item(k - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
-                           dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
+                store_item(k - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, k_read, dk_desc, dv_desc, dk_zr,
+                           dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD, HALF,
+                           CONSUMERS)  # fmt: skip
             dk, dv, base, key0, bh = consume_steps(
-                k, item, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring,
-                ready, empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
-                WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
-                PER_KV_HEAD,
+                k, item, base, scores, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+                dq_ring, ready, empty, kv_ready, k_read, dq_desc, T, H, group, ZH, qk_scale, scale,
+                window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+                QUERY_MAJOR, PER_KV_HEAD, HALF, CONSUMERS,
             )  # fmt: skip
             item = following
-        store_item(items - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
-                   dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
+        store_item(items - 1, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, k_read, dk_desc, dv_desc, dk_zr,
+                   dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD, HALF,
+                   CONSUMERS)  # fmt: skip
     else:
         for k in range(items):
             dk, dv, base, key0, bh = consume_steps(
-                k, item, base, None, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready,
-                empty, kv_ready, dq_desc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW,
-                STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PER_KV_HEAD,
+                k, item, base, None, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+                dq_ring, ready, empty, kv_ready, k_read, dq_desc, T, H, group, ZH, qk_scale, scale,
+                window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+                QUERY_MAJOR, PER_KV_HEAD, HALF, CONSUMERS,
             )  # fmt: skip
-            store_item(k, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, dk_desc, dv_desc, dk_zr, dk_hr,
-                       dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD)  # fmt: skip
+            store_item(k, key0, bh, dk, dv, k_bufs, v_bufs, kv_empty, k_read, dk_desc, dv_desc, dk_zr, dk_hr,
+                       dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, scale, PER_KV_HEAD, HALF,
+                       CONSUMERS)  # fmt: skip
 
 
 @gluon.jit
@@ -646,7 +776,8 @@ def attn_bwd(
     k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH,
     qk_scale, scale, window_left, schedule,
     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    ROUNDS: gl.constexpr, PER_KV_HEAD: gl.constexpr, LOADER_REGS: gl.constexpr,
+    ROUNDS: gl.constexpr, PER_KV_HEAD: gl.constexpr, CONSUMERS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
     """Work items: the T / BLOCK_N * ZH (key tile, head) pairs (work_item): ZH = Z * H query heads, or with
     PER_KV_HEAD Z * H / group K/V heads, an item running its group's query heads one after another
@@ -657,61 +788,101 @@ def attn_bwd(
     _zr, _hr, _hc: _hopper.matrix's); K and V of query head h are those of head h // group, and dK and dV of
     head h go to head h of dk_desc and dv_desc (per query head: the caller sums each group's), with
     PER_KV_HEAD to its K/V head's. dq_desc: a float32 (Z*H*T, d) sum, zeroed, added into; L and D: (Z*H*T,).
-    WINDOW (with CAUSAL): a query also sees no key more than window_left before it."""
+    WINDOW (with CAUSAL): a query also sees no key more than window_left before it.
+
+    CONSUMERS partitions of num_warps warps compute, 16 keys a warp: one over the tile's keys (the loader a
+    one-warp partition beside it), or two over half of them each (the loader then the default partition,
+    as attn_fwd's, with num_warps warps and the registers the consumers leave). Two skip the steps whose
+    queries see none of their keys (decisions.md#gluon-backward-two-consumers) and meet once a step, where
+    dQ = dS K reads both halves of dS (paired_dq); k_desc, v_desc, dk_desc and dv_desc then move a
+    partition's keys, BLOCK_N / 2 rows, and dq_desc its d / 2 columns."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    KEYS: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = KEYS * CONSUMERS
     BLOCK_D: gl.constexpr = q_desc.block_type.shape[1]
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    gl.static_assert(BLOCK_N == 16 * NUM_WARPS, "each warp owns 16 keys")
+    gl.static_assert(KEYS == 16 * NUM_WARPS, "each warp owns 16 keys")
     gl.static_assert(BLOCK_N % BLOCK_M == 0)
     gl.static_assert(BLOCK_D == BLOCK_N or BLOCK_M == 64, "dQ = dS K takes 64-row steps (a warpgroup's)")
+    gl.static_assert(CONSUMERS == 1 or (CONSUMERS == 2 and KEYS == BLOCK_M and BLOCK_D < BLOCK_N
+                                        and not PER_KV_HEAD), "two consumers: 64-row steps, d < BLOCK_N")
     # 64-row steps at d = 128 take query_major_step's form (its registers fit), the others step's
     QUERY_MAJOR: gl.constexpr = BLOCK_M == 64 and BLOCK_D == BLOCK_N
     d_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_D)
-    q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D)
+    q_layout: gl.constexpr = dq_layout(NUM_WARPS, BLOCK_D, CONSUMERS)
     s_layout: gl.constexpr = q_layout if QUERY_MAJOR else mma_layout(NUM_WARPS, BLOCK_M)
 
     dtype: gl.constexpr = k_desc.dtype
     KV_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
-    # K and V per item in KV_BUFFERS buffers (step indexes K's with step_zero for the dQ^T product)
-    k_bufs = gl.allocate_shared_memory(dtype, [KV_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [KV_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
+    # K and V per item in KV_BUFFERS buffers, CONSUMERS a buffer (own_keys; step indexes K's with step_zero
+    # for the dQ products)
+    kv_shape: gl.constexpr = [KV_BUFFERS * CONSUMERS] + k_desc.block_type.shape
+    k_bufs = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     l_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + l_desc.block_type.shape, l_desc.layout)
     dl_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
     if QUERY_MAJOR:  # P and dS; one dQ buffer (a second, 32 KB at d = 128, would leave no room for 3 stages)
-        ds_one = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+        ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
         dq_ring = gl.allocate_shared_memory(gl.float32, [1] + dq_desc.block_type.shape, dq_desc.layout)
-    else:  # dS^T
-        ds_one = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype))
-        dq_ring = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    else:  # dS^T (two partitions: one a partition and step of two, paired_dq), two dQ buffers a partition
+        ds_bufs = gl.allocate_shared_memory(dtype, [CONSUMERS * CONSUMERS, KEYS, BLOCK_M],
+                                            gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype))
+        dq_ring = gl.allocate_shared_memory(gl.float32, [2 * CONSUMERS] + dq_desc.block_type.shape,
+                                            dq_desc.layout)  # fmt: skip
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
+    k_read = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS)  # one release per consumer partition
     for b in gl.static_range(KV_BUFFERS):
         mbarrier.init(kv_ready.index(b), count=1)
-        mbarrier.init(kv_empty.index(b), count=1)
+        mbarrier.init(kv_empty.index(b), count=CONSUMERS)
+        mbarrier.init(k_read.index(b), count=CONSUMERS)
+    for b in gl.static_range(2):
+        mbarrier.init(ds_ready.index(b), count=CONSUMERS)
     # The barriers' initialisation must be visible to the async proxy (TMA) before it signals them.
     fence_async_shared()
     gl.thread_barrier()
 
-    gl.warp_specialize([
-        (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_one, dq_ring, ready, empty,
-                    kv_ready, kv_empty, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr, dk_hc, dv_zr, dv_hr, dv_hc,
-                    T, H, group, ZH, qk_scale, scale, window_left, CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N,
-                    BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, PERSISTENT, ROUNDS, PER_KV_HEAD)),
-        (loader, (schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
-                  dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr,
-                  k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL, WINDOW,
-                  STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT, ROUNDS)),
-    ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+            dq_ring,
+                        ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr,
+                        dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
+                        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+                        PERSISTENT, ROUNDS, PER_KV_HEAD, 0, CONSUMERS)),
+            (loader, (schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
+                      dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr,
+                      k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL,
+                      WINDOW, STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT, ROUNDS, CONSUMERS)),
+        ], [_LOADER_WARPS], [LOADER_REGS])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (loader, (schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
+                      dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr,
+                      k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL,
+                      WINDOW, STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT, ROUNDS, CONSUMERS)),
+            (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+            dq_ring,
+                        ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr,
+                        dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
+                        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+                        PERSISTENT, ROUNDS, PER_KV_HEAD, 0, CONSUMERS)),
+            (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
+            dq_ring,
+                        ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr,
+                        dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
+                        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
+                        PERSISTENT, ROUNDS, PER_KV_HEAD, 1, CONSUMERS)),
+        ], [NUM_WARPS, NUM_WARPS], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ forward

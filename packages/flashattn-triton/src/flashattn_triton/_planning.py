@@ -185,14 +185,15 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
 
 
 def describe(config: ForwardConfig | BackwardConfig) -> str:
-    """The numbers of a config joined by '/', then its flags, its kv_splits beyond 1 and the dQ launch's own
-    steps and stages by name."""
+    """The numbers of a config joined by '/', then its flags, its kv_splits and consumers beyond 1 and the dQ
+    launch's own steps and stages by name."""
     flags = ("hopper", "persistent", "per_kv_head", "transposed_grads", "split")
     dq_steps = ("dq_block_m", "dq_stages")
     numbers = [x for name, x in dataclasses.asdict(config).items()
-               if name not in (*flags, "kv_splits", *dq_steps) and x is not None]  # fmt: skip
+               if name not in (*flags, "kv_splits", "consumers", *dq_steps) and x is not None]  # fmt: skip
     named = [name for name in flags if getattr(config, name, False)]
-    splits = getattr(config, "kv_splits", 1)
-    named += [f"kv_splits={splits}"] * (splits > 1)
+    for name in ("kv_splits", "consumers"):
+        count = getattr(config, name, 1)
+        named += [f"{name}={count}"] * (count > 1)
     named += [f"{name}={getattr(config, name)}" for name in dq_steps if getattr(config, name, None)]
     return " ".join(["/".join(str(int(x)) for x in numbers), *named])

@@ -293,7 +293,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             sm_count = plan.problem.sm_count if c.persistent else None
             return _hopper.backward_args(q_in, k_in, v_in, do_in, *kv_targets(c), dq_acc, lse, delta,
                                          c.block_m, c.block_n, c.num_stages, is_causal, scale, mask_args,
-                                         sm_count, c.per_kv_head)  # fmt: skip
+                                         sm_count, c.per_kv_head, c.consumers)  # fmt: skip
         if c.split:
             return phase_args(c, "dkdv"), phase_args(dq_launch(c), "dq")
         return phase_args(c, "both")
