@@ -28,6 +28,16 @@ def test_hopper_config_must_fit_the_kernel():
         BackwardConfig(64, 128, 8, 2, atomic_dq=True, per_kv_head=True)
     with pytest.raises(ValueError, match="not persistent"):
         BackwardConfig(64, 128, 8, 2, atomic_dq=True, hopper=True, persistent=True, per_kv_head=True)
+    # two consumer partitions: num_warps each over block_n / 2 keys, in 64-row steps, the Hopper kernel's
+    BackwardConfig(64, 128, 4, 2, atomic_dq=True, hopper=True, consumers=2)
+    with pytest.raises(ValueError, match="num_warps = block_n / 16 / consumers"):
+        BackwardConfig(64, 128, 8, 2, atomic_dq=True, hopper=True, consumers=2)
+    with pytest.raises(ValueError, match="consumers=2: 1, or 2 in the Hopper kernel"):
+        BackwardConfig(64, 128, 4, 2, atomic_dq=True, consumers=2)
+    with pytest.raises(ValueError, match="block_m = block_n / 2"):
+        BackwardConfig(32, 128, 4, 2, atomic_dq=True, hopper=True, consumers=2)
+    with pytest.raises(ValueError, match="consumers=3"):
+        BackwardConfig(64, 128, 4, 2, atomic_dq=True, hopper=True, consumers=3)
 
 
 def test_hopper_forward_config_must_fit_the_kernel():
@@ -54,6 +64,7 @@ def test_described_configs_name_the_hopper_kernel():
     assert _planning.describe(HOPPER_BACKWARD[64][0]) == "64/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
     assert _planning.describe(HOPPER_BACKWARD[64][1]) == "64/128/8/4/1/168 hopper persistent"
+    assert _planning.describe(HOPPER_BACKWARD[64][3]) == "64/128/4/4/1/168 hopper persistent consumers=2"
     per_kv_head = _configs.HOPPER_BACKWARD_PER_KV_HEAD[128][0]
     assert _planning.describe(per_kv_head) == "64/128/8/2/1/168 hopper per_kv_head"
     assert _planning.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"

@@ -180,7 +180,9 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 # time with transposed scores (decisions.md#gluon-backward-128), or 64 in FA3's query-major form with 2
 # or 3 stages (231 KB of shared memory; decisions.md#gluon-backward-query-major). Up to d = 64 also in
 # persistent programs (K and V double-buffered, 182 KB of shared memory); at d = 128 they need 2 stages
-# (206 KB), and 2 stages lost there, persistent or not (decisions.md#gluon-backward-persistent).
+# (206 KB), and 2 stages lost there, persistent or not (decisions.md#gluon-backward-persistent). Up to
+# d = 64 also as two consumer partitions of 4 warps (199 KB persistent), which won the window, causal and
+# xl problems measured (decisions.md#gluon-backward-two-consumers).
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
                   F(128, 128, 4, 2, max_registers=168, hopper=True, persistent=True)]
 HOPPER_BACKWARD = {

@@ -22,11 +22,13 @@ shared memory, and a one-warp loader streams the query tiles of 64 rows (32 at d
                                                    d = 128: dQ^T = K^T dS^T, #gluon-backward-128)
     dK  += dS^T Q                                 (left in flight into the next step)
 
-Persistent programs issue each item's first S and dP before the item before stores its dK and dV (the
-tensor cores run through that epilogue). At d = 128 it also steps through 64 query rows in FA3's
+Persistent programs issue each item's first S and dP before the item before stores its dK and dV (the tensor
+cores run through that epilogue). Up to d = 64 the consumers may also be two 4-warp partitions of 64 keys each
+(BackwardConfig's consumers=2), which skip the steps whose queries see none of their keys and meet once a step
+for dQ (decisions.md#gluon-backward-two-consumers). At d = 128 it also steps through 64 query rows in FA3's
 query-major form (S = Q K^T, P and dS through shared memory: _hopper_kernels.query_major_step,
-decisions.md#gluon-backward-query-major), and for grouped-query attention a program may own a K/V head's
-key tile through its group's query heads (BackwardConfig's per_kv_head: dK and dV summed in the program,
+decisions.md#gluon-backward-query-major), and for grouped-query attention a program may own a K/V head's key
+tile through its group's query heads (BackwardConfig's per_kv_head: dK and dV summed in the program,
 decisions.md#gqa-per-kv-head).
 
 Both take each tensor as a matrix whose rows are its time steps (``matrix``,

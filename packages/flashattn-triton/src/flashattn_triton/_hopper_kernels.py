@@ -851,6 +851,8 @@ def attn_bwd(
     fence_async_shared()
     gl.thread_barrier()
 
+    # (each partition's arguments written out: Gluon 3.6 takes them as a literal tuple, and a tuple held in a
+    # name, to be extended with HALF, loses its constexprs)
     if CONSUMERS == 1:
         gl.warp_specialize([
             (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
