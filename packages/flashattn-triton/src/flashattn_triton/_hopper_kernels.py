@@ -263,8 +263,8 @@ def loader(
     read during the item before, as the consumers do). Its ring steps run on across items (the consumers count
     them alike), so the next item's K and V (in the other buffer) and first query tiles load while the
     consumers finish the current item."""
-    items, mine = program_items(schedule, T // (k_desc.block_type.shape[0] * CONSUMERS) * ZH, PERSISTENT,
-                                ROUNDS)  # fmt: skip
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0] * CONSUMERS
+    items, mine = program_items(schedule, T // BLOCK_N * ZH, PERSISTENT, ROUNDS)
     base = gl.to_tensor(0)  # (a loop-carried int32)
     item = program_item(0, mine, PERSISTENT, ROUNDS)
     for k in range(items):
@@ -276,6 +276,13 @@ def loader(
             BLOCK_M, PER_KV_HEAD, CONSUMERS,
         )  # fmt: skip
         item = following
+
+
+@gluon.constexpr_function
+def idle_first_steps(half, keys, block_m, causal):
+    """How many of a tile's first steps consumer partition `half` (over `keys` keys) takes idle: under causal
+    those whose queries all precede its keys (consume_steps)."""
+    return half * keys // block_m if causal else 0
 
 
 @gluon.jit
@@ -378,13 +385,7 @@ def transposed_step(
     # dK(g-1), the last reader of Q(g-1) (dV(g-1), the last reader of dO(g-1), retired in step g-1), and
     # S(g).
     s_t = warpgroup_mma_wait(num_outstanding=1, deps=[s_t])
-    # The dQ reduction of step g-2 must have read its buffer before it is overwritten below.
-    tma.store_wait(pendings=1)
-    # Every consumer warp is past both waits: stage (g-1) % STAGES and the dQ buffer are free. One
-    # arrival hands the stage back to the loader (none at g = 0; an item's first step releases the last
-    # step of the item before).
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
+    release_step(g, empty, STAGES)
 
     p_t = probabilities(s_t, l2, key0, m0, qk_scale, window_left, 0, s_layout, DIAG, EDGE)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
@@ -396,10 +397,7 @@ def transposed_step(
     # dS^T to shared memory for the dQ product (its last reader here, dQ(g-1), retired in step g-1).
     # Writes by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
     if CONSUMERS > 1:
-        ds_bufs.index(2 * (g % 2) + HALF).store(ds_t)
-        fence_async_shared()
-        gl.thread_barrier()
-        dq = paired_dq(g, kb, k_bufs, ds_bufs, ds_ready, q_layout, HALF, None)
+        dq = paired_dq(g, ds_t, kb, k_bufs, ds_bufs, ds_ready, q_layout, HALF, None)
     else:
         ds_smem = ds_bufs.index(0)
         ds_smem.store(ds_t)
@@ -424,14 +422,30 @@ def transposed_step(
 
 
 @gluon.jit
-def paired_dq(g, kb, k_bufs, ds_bufs, ds_ready, q_layout: gl.constexpr, HALF: gl.constexpr,
+def release_step(g, empty, STAGES: gl.constexpr):
+    """Stage (g-1) % STAGES back to the loader, its products retired, and this partition's dQ buffer of
+    step g (last read by step g-2's reduction) free: every consumer warp waits for its reductions but the
+    newest, then one arrival (none at g = 0; an item's first step releases the last step of the item
+    before)."""
+    tma.store_wait(pendings=1)
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
+
+
+@gluon.jit
+def paired_dq(g, ds_t, kb, k_bufs, ds_bufs, ds_ready, q_layout: gl.constexpr, HALF: gl.constexpr,
               FROM: gl.constexpr):  # fmt: skip
-    """Step g's dQ = dS K in consumer partition HALF's half of d's columns (of attn_bwd's two), issued once
-    both partitions' dS^T are in ds_bufs[2 * (g % 2) + partition]: each arrives on ds_ready[g % 2] once its
-    own is there (an idle_step's zeros). Over both halves' keys (K of item buffer kb), or FROM's
-    alone (the other half's keys see none of the step's queries). A partition writes step g + 2's dS^T only
-    past step g + 1's arrivals, each made after that partition's dQ(g) retired, so its buffer is free then."""
+    """Step g's dQ = dS K in consumer partition HALF's half of d's columns (of attn_bwd's two): its dS^T
+    (ds_t; an idle_step's zeros) into ds_bufs[2 * (g % 2) + HALF], then the product issued once both
+    partitions' are there (each arrives on ds_ready[g % 2] once its own is). Over both halves' keys (K of
+    item buffer kb), or FROM's alone (the other half's keys see none of the step's queries). A partition
+    writes step g + 2's dS^T only past step g + 1's arrivals, each made after that partition's dQ(g)
+    retired, so its buffer is free then."""
     b = g % 2
+    # Writes by the generic proxy read by wgmma (async proxy): a fence by every writer, then a barrier.
+    ds_bufs.index(2 * b + HALF).store(ds_t)
+    fence_async_shared()
+    gl.thread_barrier()
     mbarrier.arrive(ds_ready.index(b))
     mbarrier.wait(ds_ready.index(b), (g // 2) & 1)
     BLOCK_M: gl.constexpr = ds_bufs.shape[2]
@@ -456,15 +470,11 @@ def idle_step(g, row, kb, k_bufs, ds_bufs, ds_ready, dq_ring, empty, dq_desc, sc
     transposed_step hands it."""
     KEYS: gl.constexpr = ds_bufs.shape[1]
     BLOCK_M: gl.constexpr = ds_bufs.shape[2]
-    ds_bufs.index(2 * (g % 2) + HALF).store(gl.zeros([KEYS, BLOCK_M], ds_bufs.dtype, s_layout))
-    fence_async_shared()
-    gl.thread_barrier()
-    dq = paired_dq(g, kb, k_bufs, ds_bufs, ds_ready, q_layout, HALF, 1 - HALF)
+    none_seen = gl.zeros([KEYS, BLOCK_M], ds_bufs.dtype, s_layout)
+    dq = paired_dq(g, none_seen, kb, k_bufs, ds_bufs, ds_ready, q_layout, HALF, 1 - HALF)
     # (waiting for every product: also this partition's dK(g-1), the last reader of Q(g-1))
     dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    tma.store_wait(pendings=1)
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=g > 0)
+    release_step(g, empty, STAGES)
     reduce_dq(g, dq, dq_ring, dq_desc, row, scale, False, HALF)
 
 
@@ -475,12 +485,10 @@ def reduce_dq(g, dq, dq_ring, dq_desc, row, scale, TRANSPOSED: gl.constexpr, HAL
     2 * HALF + g % 2; the reduction that last read it, step g-2's, waited for) to one TMA reduce-add:
     fence, barrier, one issue."""
     buf = dq_ring.index(2 * HALF + g % 2)
-    if TRANSPOSED:
-        buf = buf.permute((1, 0))
-    buf.store(dq * scale)
+    (buf.permute((1, 0)) if TRANSPOSED else buf).store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
-    tma_reduce_add(dq_desc, [row, HALF * dq_ring.shape[2]], dq_ring.index(2 * HALF + g % 2))
+    tma_reduce_add(dq_desc, [row, HALF * dq_ring.shape[2]], buf)
 
 
 @gluon.jit
@@ -577,8 +585,7 @@ def consume_head(
         dk, dv = step(
             g, first, key0, bh_row, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
             dq_ring, ready, empty, dq_desc, dk, dv, None, qk_scale, scale, window_left, CAUSAL, WINDOW,
-            STAGES,
-            BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
+            STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
         )  # fmt: skip
     for g in range(g0 + FIRST, g0 + edge):
         dk, dv = step(
@@ -618,7 +625,7 @@ def consume_steps(
     dQ products, which read both halves of K, have retired."""
     KV_BUFFERS: gl.constexpr = k_bufs.shape[0] // CONSUMERS
     KEYS: gl.constexpr = k_bufs.shape[1]
-    LEAD: gl.constexpr = HALF * KEYS // BLOCK_M if CAUSAL else 0
+    LEAD: gl.constexpr = idle_first_steps(HALF, KEYS, BLOCK_M, CAUSAL)
     key0, bh, lo, n, edge = work_item(item, T, ZH, window_left, CAUSAL, WINDOW, BLOCK_M, BLOCK_N, HALF,
                                       CONSUMERS)  # fmt: skip
     kb = k % KV_BUFFERS
@@ -636,8 +643,7 @@ def consume_steps(
     dk, dv = consume_head(
         base + LEAD, bh_row, key0, lo, n, edge, kb, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs,
         ds_ready, dq_ring, ready, empty, dq_desc, dk, dv, scores, qk_scale, scale, window_left, CAUSAL,
-        WINDOW,
-        STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
+        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR, HALF, CONSUMERS,
     )  # fmt: skip
     if PER_KV_HEAD:
         for j in range(1, heads):
@@ -726,7 +732,7 @@ def consumer(
     base = gl.to_tensor(0)  # (a loop-carried int32)
     item = program_item(0, mine, PERSISTENT, ROUNDS)
     KEYS: gl.constexpr = k_bufs.shape[1]
-    LEAD: gl.constexpr = HALF * KEYS // BLOCK_M if CAUSAL else 0  # (consume_steps's idle first steps)
+    LEAD: gl.constexpr = idle_first_steps(HALF, KEYS, BLOCK_M, CAUSAL)
     if PERSISTENT:
         gl.static_assert(not QUERY_MAJOR, "issue_scores issues transposed_step's products")
         KV_BUFFERS: gl.constexpr = k_bufs.shape[0] // CONSUMERS
@@ -856,11 +862,10 @@ def attn_bwd(
     if CONSUMERS == 1:
         gl.warp_specialize([
             (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
-            dq_ring,
-                        ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr,
-                        dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
-                        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
-                        PERSISTENT, ROUNDS, PER_KV_HEAD, 0, CONSUMERS)),
+                        dq_ring, ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr,
+                        dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left,
+                        CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+                        QUERY_MAJOR, PERSISTENT, ROUNDS, PER_KV_HEAD, 0, CONSUMERS)),
             (loader, (schedule, q_desc, do_desc, l_desc, dl_desc, k_desc, v_desc, q_ring, do_ring, l_ring,
                       dl_ring, k_bufs, v_bufs, ready, empty, kv_ready, kv_empty, q_zr, q_hr, q_hc, k_zr, k_hr,
                       k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL,
@@ -873,17 +878,15 @@ def attn_bwd(
                       k_hc, v_zr, v_hr, v_hc, do_zr, do_hr, do_hc, T, H, group, ZH, window_left, CAUSAL,
                       WINDOW, STAGES, BLOCK_M, PER_KV_HEAD, PERSISTENT, ROUNDS, CONSUMERS)),
             (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
-            dq_ring,
-                        ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr,
-                        dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
-                        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
-                        PERSISTENT, ROUNDS, PER_KV_HEAD, 0, CONSUMERS)),
+                        dq_ring, ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr,
+                        dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left,
+                        CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+                        QUERY_MAJOR, PERSISTENT, ROUNDS, PER_KV_HEAD, 0, CONSUMERS)),
             (consumer, (schedule, k_bufs, v_bufs, q_ring, do_ring, l_ring, dl_ring, ds_bufs, ds_ready,
-            dq_ring,
-                        ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr, dk_hr,
-                        dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left, CAUSAL,
-                        WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout, QUERY_MAJOR,
-                        PERSISTENT, ROUNDS, PER_KV_HEAD, 1, CONSUMERS)),
+                        dq_ring, ready, empty, kv_ready, kv_empty, k_read, dq_desc, dk_desc, dv_desc, dk_zr,
+                        dk_hr, dk_hc, dv_zr, dv_hr, dv_hc, T, H, group, ZH, qk_scale, scale, window_left,
+                        CAUSAL, WINDOW, STAGES, BLOCK_M, BLOCK_N, BLOCK_D, s_layout, d_layout, q_layout,
+                        QUERY_MAJOR, PERSISTENT, ROUNDS, PER_KV_HEAD, 1, CONSUMERS)),
         ], [NUM_WARPS, NUM_WARPS], [CONSUMER_REGS, CONSUMER_REGS])  # fmt: skip
 
 
