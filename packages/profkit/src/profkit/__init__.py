@@ -1,9 +1,11 @@
 """Profiling toolkit for PyTorch training.
 
-Timing, NVTX ranges, per-phase kernel summaries and memory timelines.
+Timing, NVTX ranges, per-phase kernel summaries, traces for Perfetto, communication and overlap
+from per-rank traces, and memory timelines and breakdowns.
 """
 
-from profkit import kernels, memory, nsys, nvtx
+from profkit import comm, kernels, memory, nsys, nvtx, traces
+from profkit.comm import CommReport, analyze_comm
 from profkit.kernels import (
     KernelReport,
     KernelTable,
@@ -21,11 +23,13 @@ from profkit.memory import (
 )
 from profkit.nsys import NsysNotFoundError, nsys_command, run_nsys
 from profkit.precision import autocast, autocast_dtype
-from profkit.timing import PhaseClock, Timing, run_steps, synchronize, time_phases, time_steps
+from profkit.timing import PhaseClock, PhaseMarker, Timing, run_steps, synchronize, time_phases, time_steps
+from profkit.traces import load_trace, trace, tracing
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommReport", "PhaseMarker", "analyze_comm", "comm", "load_trace", "trace", "traces", "tracing",
     "KernelReport", "KernelTable", "NsysNotFoundError", "PeakMemory", "PhaseClock", "Timing", "TraceEvent",
     "autocast", "autocast_dtype", "is_matmul", "kernels", "memory", "nsys", "nsys_command", "nvtx",
     "profile_phases", "read_peak_memory", "record_memory_history", "render_memory_timeline",
