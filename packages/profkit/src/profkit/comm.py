@@ -432,6 +432,12 @@ class CommReport:
             return None
         return max(self.caused_wait_ms, key=lambda r: self.caused_wait_ms[r])
 
+    def bus_bandwidth(self) -> float:
+        """Bytes per second over all collectives: sum of bytes * bus factor / sum of transfer times."""
+        moved = math.fsum(c.nbytes * bus_factor(c.name, c.group_size) for c in self.collectives)
+        seconds = math.fsum(c.transfer_ns for c in self.collectives) * 1e-9
+        return moved / seconds if seconds > 0 else math.nan
+
     def total(self) -> RankComm:
         """Sums over the ranks (step time: the slowest rank's); overlap from the sums."""
 
