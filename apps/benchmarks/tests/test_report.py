@@ -102,8 +102,11 @@ DDP_STEPS = {("single", None): 100.0, ("naive", None): 140.0, ("flat", None): 12
 def ddp_rows() -> pd.DataFrame:
     return pd.DataFrame([{"strategy": s, "bucket MiB": b if b else "", "ranks": 1 if s == "single" else 2,
                           "buckets": max(1, round(8000 / b)) if s == "bucketed" else "",
-                          "step ms": ms, "step std": 2.0, "exposed comm ms": ms - 100.0, "exposed std": 2.8,
-                          "x single": ms / 100.0} for (s, b), ms in DDP_STEPS.items()])
+                          "step ms": ms, "step std": 2.0, "x single": ms / 100.0,
+                          "comm ms": 0.0 if s == "single" else 30.0,
+                          "exposed comm ms": 0.0 if s == "single" else (ms - 100.0) / 2,
+                          "overlap %": float("nan") if s == "single" else 100 * (1 - (ms - 100.0) / 60)}
+                         for (s, b), ms in DDP_STEPS.items()])
 
 
 def shardopt_tables() -> dict[str, pd.DataFrame]:
@@ -279,23 +282,26 @@ def test_ddp_statements(gpu_report):
     assert "slowest: naive 140 ms (1.400x single)" in text
     assert "meets the 1.10x goal); -3.7% against torch DDP, same run." in text
     assert "the bucket model predicts" in text  # from the allreduce fit on the same device
+    assert "naive 20 of 30 ms exposed (33% overlapped)" in text  # from the traced columns
 
 
 def test_ddp_differences_within_noise_are_not_findings(tmp_path):
     """A CPU-like run: bucketed 2 ms faster than one device with 5 ms of spread is noise, not 0.98x."""
     rows = pd.DataFrame([
-        {"strategy": "single", "step ms": 100.0, "step std": 3.0, "exposed comm ms": 0.0, "exposed std": 0.0},
-        {"strategy": "bucketed", "bucket MiB": 25.0, "step ms": 98.0, "step std": 4.0,
-         "exposed comm ms": -2.0,
-         "exposed std": 5.0},
-        {"strategy": "naive", "step ms": 130.0, "step std": 4.0, "exposed comm ms": 30.0, "exposed std": 5.0},
+        {"strategy": "single", "step ms": 100.0, "step std": 3.0, "comm ms": 0.0, "exposed comm ms": 0.0},
+        {"strategy": "bucketed", "bucket MiB": 25.0, "step ms": 98.0, "step std": 4.0, "comm ms": 20.0,
+         "exposed comm ms": 5.0, "overlap %": 75.0},
+        {"strategy": "naive", "step ms": 130.0, "step std": 4.0, "comm ms": 30.0, "exposed comm ms": 30.0,
+         "overlap %": 0.0},
     ])
     results = tmp_path / "results"
     write(results, "ddp", rows, device="cpu")
     out, _ = build_report(results, tmp_path / "docs" / "report.md")
     text = section(out.read_text(), title_of("ddp"))
     assert "bucketed (25 MiB) 98 ms (within noise of single)" in text
-    assert "bucketed (25 MiB) ~0 (noise), naive 30 ms" in text
+    traced = ("bucketed (25 MiB) 5 of 20 ms exposed (75% overlapped), "
+              "naive 30 of 30 ms exposed (0% overlapped)")
+    assert traced in text
     assert "Noise: 1 of 2 strategies" in text
     assert "this run gives no verdict on the 1.10x goal" in text and "0.980x" not in text
 
