@@ -118,7 +118,9 @@ def shardopt_tables() -> dict[str, pd.DataFrame]:
             memory.append({"optimizer": name, "phase": phase, "parameters_MB": 8000.0, "gradients_MB": grads,
                            "optimizer_state_MB": opt, "other_MB": 500.0, "peak_MB": 8500.0 + grads + opt})
     time = pd.DataFrame({"optimizer": ["AdamW (unsharded)", "ShardedOptimizer", "ZeroRedundancyOptimizer"],
-                         "iteration_ms": [200.0, 210.0, 220.0], "optimizer_step_ms": [20.0, 15.0, 16.0]})
+                         "iteration_ms": [200.0, 210.0, 220.0], "optimizer_step_ms": [20.0, 15.0, 16.0],
+                         "comm_ms": [10.0, 20.0, 20.0], "exposed_comm_ms": [10.0, 5.0, 10.0],
+                         "overlap_pct": [0.0, 75.0, 50.0]})
     goal = pd.DataFrame({"criterion": ["state per rank (MB)", "step (ms)"], "measured": [8100.0, 15.0],
                          "limit": [8200.0, 16.0], "met": [True, True]})
     return {"shardopt_memory": pd.DataFrame(memory), "shardopt_time": time, "shardopt_goal": goal}
@@ -215,7 +217,7 @@ def test_every_section_is_measured_and_plotted(gpu_report):
             assert "Not measured yet" not in section(text, s.title), s.key
     names = {p.name for p in plots}
     assert {"e2e_train.png", "attention.png", "flash_speedup.png", "flash_time.png", "ddp_step_time.png",
-            "allreduce_bandwidth.png", "shardopt_memory.png", "fsdp_memory.png",
+            "allreduce_bandwidth.png", "shardopt_memory.png", "shardopt_overlap.png", "fsdp_memory.png",
             "checkpointing_memory_time.png",
             "e2e_train_memory_2.7B_ctx128_fp32_naive.png"} <= names
     for p in plots:
@@ -310,6 +312,7 @@ def test_shardopt_statements(gpu_report):
     text = section(gpu_report[0], title_of("shardopt"))
     assert "ShardedOptimizer 8,100 MB, 1.98x less than AdamW (unsharded) (16,000 MB)" in text
     assert "ShardedOptimizer against ZeroRedundancyOptimizer: -4.5% per iteration." in text
+    assert "per iteration and rank" in text and "ShardedOptimizer 5 of 20 ms exposed (75% overlapped)" in text
     assert "state per rank (MB): 8100 against 8200: met." in text
     assert "Peak memory per rank over the iteration: AdamW (unsharded) 32,500 MB" in text
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from benchmarks.common import NOISE, within_noise
@@ -21,6 +20,9 @@ from benchmarks.report.core import (
     prefixed,
     style,
 )
+from benchmarks.report.overlap import overlap_panel, overlap_sentence
+
+TRACED = ["comm ms", "exposed comm ms", "overlap %"]  # benchmarks.overlap's columns that are drawn
 
 
 def ddp_labels(df: pd.DataFrame) -> pd.Series:
@@ -81,13 +83,9 @@ def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]
     lines = [f"- One device alone (same per-device batch): {ref:.4g} ms per step. Fastest data-parallel: "
              f"{best['label']} {best['step']:.4g} ms ({against_single(best, ref)}); "
              f"slowest: {worst['label']} {worst['step']:.4g} ms ({against_single(worst, ref)})."]
-    if {"comm ms", "exposed comm ms", "overlap %"} <= set(df.columns):
-        traced = [f"{r['label']} {float(r['exposed comm ms']):.3g} of {float(r['comm ms']):.3g} ms exposed "
-                  f"({float(r['overlap %']):.0f}% overlapped)" for _, r in dist.iterrows()
-                  if float(r["comm ms"]) > 0]
-        if traced:
-            lines.append("- Communication from the traces, per step and rank (exposed: a collective runs and "
-                         "no compute does): " + ", ".join(traced) + ".")
+    if set(TRACED) <= set(df.columns):
+        sentence = overlap_sentence(dist["label"], *(dist[c] for c in TRACED))
+        lines += [sentence] if sentence else []
     if dist["noise"].any():
         lines.append(f"- Noise: {int(dist['noise'].sum())} of {len(dist)} strategies differ from one device "
                      f"by less than the spread of that difference (from the std of the steps, {NOISE}); "
@@ -132,7 +130,7 @@ def ddp_prediction(ctx: Context, f: ResultFile, bucketed: pd.DataFrame) -> str |
 def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
     bucketed = df[(df["strategy"] == "bucketed") & df["step"].notna()]
     sweep = "bucket MiB" in df and bucketed["bucket MiB"].nunique() > 1
-    traced = {"comm ms", "exposed comm ms", "overlap %"} <= set(df.columns)
+    traced = set(TRACED) <= set(df.columns)
     fig, panels = axes(1 + traced + sweep)
     ax = panels[0]
     rows = df[df["step"].notna()]
@@ -142,7 +140,8 @@ def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
     ax.invert_yaxis()
     style(ax, "step time (ms), mean ± std", "", "Step time per strategy", logx=False, logy=False)
     if traced:
-        overlap_panel(panels[1], rows[rows["strategy"] != "single"])
+        shown = rows[rows["strategy"] != "single"]
+        overlap_panel(panels[1], shown["label"], *(shown[c] for c in TRACED))
     if sweep:
         ax = panels[-1]
         b = bucketed.sort_values("bucket MiB")
@@ -154,21 +153,6 @@ def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
                 ax.axhline(float(ref.iloc[0]), color=color, ls="--", label=f"{name}")
         style(ax, "bucket size (MiB)", "step time (ms)", "Bucketed DDP: bucket size", logy=False)
     return ctx.figure("ddp_step_time", fig, "DDP step time, communication overlap per strategy, bucket size")
-
-
-def overlap_panel(ax: plt.Axes, rows: pd.DataFrame) -> None:
-    """Each strategy's communication per step, split into overlapped and exposed, with the overlap %."""
-    comm, exposed = numeric(rows["comm ms"]).fillna(0), numeric(rows["exposed comm ms"]).fillna(0)
-    ax.barh(rows["label"], comm - exposed, color="tab:green", label="overlapped with compute")
-    ax.barh(rows["label"], exposed, left=comm - exposed, color="tab:red", label="exposed")
-    for y, (total, pct) in enumerate(zip(comm, numeric(rows["overlap %"]), strict=True)):
-        if not math.isnan(pct):
-            ax.annotate(f"{pct:.0f}%", (total, y), xytext=(3, 0), textcoords="offset points", va="center",
-                        fontsize=8)
-    ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="lower right")
-    style(ax, "communication per step and rank (ms), from traces", "", "Overlap per strategy", logx=False,
-          logy=False)
 
 
 SECTION = Section(
