@@ -4,7 +4,8 @@ Timing, NVTX ranges, per-phase kernel summaries, traces for Perfetto, communicat
 from per-rank traces, and memory timelines and breakdowns.
 """
 
-from profkit import comm, kernels, memory, nsys, nvtx, traces
+from profkit import breakdown, comm, kernels, memory, nsys, nvtx, traces
+from profkit.breakdown import MemoryBreakdown, memory_breakdown
 from profkit.comm import CommReport, analyze_comm
 from profkit.kernels import (
     KernelReport,
@@ -29,10 +30,10 @@ from profkit.traces import load_trace, trace, tracing
 __version__ = "0.1.0"
 
 __all__ = [
-    "CommReport", "PhaseMarker", "analyze_comm", "comm", "load_trace", "trace", "traces", "tracing",
-    "KernelReport", "KernelTable", "NsysNotFoundError", "PeakMemory", "PhaseClock", "Timing", "TraceEvent",
-    "autocast", "autocast_dtype", "is_matmul", "kernels", "memory", "nsys", "nsys_command", "nvtx",
-    "profile_phases", "read_peak_memory", "record_memory_history", "render_memory_timeline",
-    "reset_peak_memory", "run_nsys", "run_steps", "summarize_kernels", "synchronize", "time_phases",
-    "time_steps",
+    "CommReport", "KernelReport", "KernelTable", "MemoryBreakdown", "NsysNotFoundError", "PeakMemory",
+    "PhaseClock", "PhaseMarker", "Timing", "TraceEvent", "analyze_comm", "autocast", "autocast_dtype",
+    "breakdown", "comm", "is_matmul", "kernels", "load_trace", "memory", "memory_breakdown", "nsys",
+    "nsys_command", "nvtx", "profile_phases", "read_peak_memory", "record_memory_history",
+    "render_memory_timeline", "reset_peak_memory", "run_nsys", "run_steps", "summarize_kernels",
+    "synchronize", "time_phases", "time_steps", "trace", "traces", "tracing",
 ]
