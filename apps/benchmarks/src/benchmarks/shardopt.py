@@ -67,7 +67,7 @@ from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_conf
 from benchmarks.overlap import trace_comm
 from minddp import STRATEGIES, make_ddp
 from minddp.launch import launch, tensor_device, under_torchrun
-from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps, synchronize
+from profkit import PhaseClock, memory_breakdown, read_peak_memory, reset_peak_memory, run_steps, synchronize
 from profkit.timing import total_mean
 from shardopt import ShardedOptimizer
 
@@ -110,15 +110,14 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer, device: torch.device
 
 
 def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
-    """Parameters, gradients and optimizer state held now, in bytes, and the peak allocated (CUDA only)."""
-    params = list(model.parameters())
+    """Parameters, gradients and optimizer state held now (profkit.memory_breakdown's tensor sizes), in
+    bytes, and the peak allocated (CUDA only)."""
+    holder = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    held = memory_breakdown(model=model, optimizer=holder).bytes
     peak = read_peak_memory(device)
-    return {
-        "parameters": held_bytes(params, device),
-        "gradients": held_bytes((p.grad for p in params), device),
-        "optimizer state": sum(state_bytes_per_param(optimizer, device)),
-        "peak": float(peak.allocated) if peak else float("nan"),
-    }
+    return {"parameters": held["parameters"], "gradients": held["gradients"],
+            "optimizer state": held["optimizer state"],
+            "peak": float(peak.allocated) if peak else float("nan")}
 
 
 class Workload:
@@ -221,7 +220,7 @@ def tables(per_rank: list[dict[str, dict[str, Any]]], on_cuda: bool) -> dict[str
                   "back_to_back_iteration_ms": 1e3 * max(r[kind]["back_to_back_s"] for r in per_rank),
                   "optimizer_state_MB": max(r[kind]["memory"]["after step"]["optimizer state"]
                                             for r in per_rank) / MB}
-                 | {column: per_rank[0][kind]["comm"].get(key, float("nan"))
+                 | {column: per_rank[0][kind].get("comm", {}).get(key, float("nan"))
                     for key, column in TRACED.items()}
                  for kind in kinds]
     frames = {"memory": pd.DataFrame(memory_rows), "time": pd.DataFrame(time_rows),
