@@ -109,3 +109,19 @@ def test_errors_name_the_argument(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="traceEvents"):
         load_trace(tmp_path / "bad.json")
+
+
+def test_render_trace_draws_the_first_step(tmp_path):
+    path = profkit.trace(make_step(), path=tmp_path / "r.json.gz", warmup=1, steps=2)
+    document = load_trace(path)
+    (track,) = track_tids(document)
+    first = min(
+        (e for e in document["traceEvents"] if e.get("tid") == track and e["name"] == "step 0"),
+        key=lambda e: e["ts"],
+    )
+    assert profkit.traces._window(
+        document["traceEvents"], profkit.traces._track_names(document["traceEvents"])
+    ) == (first["ts"], first["ts"] + first["dur"])
+    png = profkit.traces.render_trace(path, tmp_path / "r.png")
+    with png.open("rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from profkit import nvtx
 from profkit.timing import PhaseMarker, Step, run_steps
 
-__all__ = ["PROFKIT_TRACK", "load_trace", "trace", "tracing"]
+__all__ = ["PROFKIT_TRACK", "load_trace", "render_trace", "trace", "tracing"]
 
 PROFKIT_TRACK = "profkit ranges"
 # Thread ids for profkit's tracks: far above real thread ids, below 2**31 for tools that read int32.
@@ -59,15 +61,21 @@ def resolve_path(path: str | Path) -> Path:
     rank, world = _rank_and_world()
     text = str(path)
     if world > 1 and "{rank}" not in text:
-        raise ValueError(f"path={text!r}: {world} ranks would all write this file; put '{{rank}}' in it, "
-                         "e.g. 'trace_rank{rank}.json.gz'")
+        raise ValueError(
+            f"path={text!r}: {world} ranks would all write this file; put '{{rank}}' in it, "
+            "e.g. 'trace_rank{rank}.json.gz'"
+        )
     return Path(text.replace("{rank}", str(rank)))
 
 
 @contextmanager
-def tracing(path: str | Path, steps: int = 1,
-            activities: Sequence[torch.profiler.ProfilerActivity] | None = None,
-            record_shapes: bool = True, with_stack: bool = False) -> Iterator[PhaseMarker]:
+def tracing(
+    path: str | Path,
+    steps: int = 1,
+    activities: Sequence[torch.profiler.ProfilerActivity] | None = None,
+    record_shapes: bool = True,
+    with_stack: bool = False,
+) -> Iterator[PhaseMarker]:
     """Profile the block with torch.profiler and write its trace, gzipped, to ``path`` on exit.
 
     Yields a ``phase`` function (``with phase("forward"): ...``) that marks ranges without timing or
@@ -78,8 +86,9 @@ def tracing(path: str | Path, steps: int = 1,
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     path = resolve_path(path)
-    profiler = torch.profiler.profile(activities=list(activities or _activities()),
-                                      record_shapes=record_shapes, with_stack=with_stack)
+    profiler = torch.profiler.profile(
+        activities=list(activities or _activities()), record_shapes=record_shapes, with_stack=with_stack
+    )
     nvtx.traced_names.clear()
     with profiler:
         yield PhaseMarker()
@@ -88,9 +97,16 @@ def tracing(path: str | Path, steps: int = 1,
     write_trace(profiler, path, steps, set(nvtx.traced_names))
 
 
-def trace(step: Step, *, path: str | Path, warmup: int = 2, steps: int = 1,
-          activities: Sequence[torch.profiler.ProfilerActivity] | None = None,
-          record_shapes: bool = True, with_stack: bool = False) -> Path:
+def trace(
+    step: Step,
+    *,
+    path: str | Path,
+    warmup: int = 2,
+    steps: int = 1,
+    activities: Sequence[torch.profiler.ProfilerActivity] | None = None,
+    record_shapes: bool = True,
+    with_stack: bool = False,
+) -> Path:
     """Run ``step(phase)`` ``warmup`` times, then trace ``steps`` calls into ``path``; returns the path.
 
     ``step`` is the function :func:`profkit.time_phases` takes; here its phases only mark ranges
@@ -101,8 +117,13 @@ def trace(step: Step, *, path: str | Path, warmup: int = 2, steps: int = 1,
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     resolved = resolve_path(path)
-    run_steps(step, warmup, steps, PhaseMarker(),
-              measuring=tracing(path, steps, activities, record_shapes, with_stack))
+    run_steps(
+        step,
+        warmup,
+        steps,
+        PhaseMarker(),
+        measuring=tracing(path, steps, activities, record_shapes, with_stack),
+    )
     return resolved
 
 
@@ -123,6 +144,7 @@ def write_trace(profiler: torch.profiler.profile, path: Path, steps: int, names:
 
 def _version() -> str:
     from profkit import __version__
+
     return __version__
 
 
@@ -131,8 +153,7 @@ def move_ranges(document: dict[str, Any], names: set[str]) -> dict[str, Any]:
     events = document.get("traceEvents", [])
     tracks: dict[tuple[Any, Any], int] = {}
     for event in events:
-        if (event.get("ph") == "X" and event.get("cat") in _RANGE_CATEGORIES
-                and event.get("name") in names):
+        if event.get("ph") == "X" and event.get("cat") in _RANGE_CATEGORIES and event.get("name") in names:
             key = (event.get("pid"), event.get("tid"))
             tid = tracks.setdefault(key, _TRACK_TID + len(tracks))
             event["args"] = {**event.get("args", {}), "thread": event.get("tid")}
@@ -140,8 +161,9 @@ def move_ranges(document: dict[str, Any], names: set[str]) -> dict[str, Any]:
     for (pid, thread), tid in tracks.items():
         label = PROFKIT_TRACK if len(tracks) == 1 else f"{PROFKIT_TRACK} (thread {thread})"
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
-                       "args": {"sort_index": -1}})
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": -1}}
+        )
     return document
 
 
@@ -175,3 +197,153 @@ def trace_files(paths: Sequence[str | Path]) -> list[Path]:
         files += sorted(p.glob("*.json*")) if p.is_dir() else [p]
     return files
 
+
+# --- a picture of a trace ------------------------------------------------------------------------------
+
+_COMM_NAME = re.compile(r"^(?:gloo:|nccl|c10d::|record_param_comms)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class _Slice:
+    name: str
+    start_us: float
+    dur_us: float
+    depth: int
+
+
+def _track_names(events: list[dict[str, Any]]) -> dict[tuple[Any, Any], str]:
+    processes = {
+        e.get("pid"): str(e["args"].get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            process = processes.get(e.get("pid"), "")
+            label = str(e["args"].get("name", e.get("tid")))
+            names[(e.get("pid"), e.get("tid"))] = (
+                label if label.startswith(PROFKIT_TRACK) or not process else f"{process}: {label}"
+            )
+    return names
+
+
+def _nest(events: list[dict[str, Any]]) -> list[_Slice]:
+    """Slices of one track with their nesting depth (0: outermost)."""
+    ordered = sorted(events, key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    open_ends: list[float] = []
+    slices = []
+    for e in ordered:
+        start, dur = float(e["ts"]), float(e["dur"])
+        while open_ends and open_ends[-1] <= start:
+            open_ends.pop()
+        slices.append(_Slice(str(e["name"]), start, dur, len(open_ends)))
+        open_ends.append(start + dur)
+    return slices
+
+
+def _window(events: list[dict[str, Any]], names: dict[tuple[Any, Any], str]) -> tuple[float, float]:
+    """The first "step i" range on profkit's track, else the whole trace (µs)."""
+    steps = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and str(e.get("name", "")).startswith("step ")
+        and names.get((e.get("pid"), e.get("tid")), "").startswith(PROFKIT_TRACK)
+    ]
+    if steps:
+        first = min(steps, key=lambda e: float(e["ts"]))
+        return float(first["ts"]), float(first["ts"]) + float(first["dur"])
+    timed = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    return min(float(e["ts"]) for e in timed), max(float(e["ts"]) + float(e["dur"]) for e in timed)
+
+
+def render_trace(
+    trace: dict[str, Any] | str | Path,
+    path: str | Path,
+    window_us: tuple[float, float] | None = None,
+    max_depth: int = 3,
+    title: str | None = None,
+    dpi: int = 120,
+) -> Path:
+    """Draw a trace's tracks (profkit's ranges, CPU threads, collectives, GPU streams) as a PNG.
+
+    A stand-in for a Perfetto screenshot where no browser is at hand: one row of slices per track
+    and nesting depth (up to ``max_depth``), collectives in red, over ``window_us`` (default: the
+    first traced step, else the whole trace) in the trace's own microseconds.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    document = trace if isinstance(trace, dict) else load_trace(trace)
+    events = document["traceEvents"]
+    names = _track_names(events)
+    lo, hi = window_us or _window(events, names)
+    by_track: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for e in events:
+        if (
+            e.get("ph") == "X"
+            and "dur" in e
+            and float(e["ts"]) < hi
+            and float(e["ts"]) + float(e["dur"]) > lo
+            and e.get("cat") in ("user_annotation", "cpu_op", "kernel", "gpu_memcpy", "gpu_memset")
+        ):
+            by_track.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    order = sorted(
+        by_track,
+        key=lambda k: (
+            not names.get(k, "").startswith(PROFKIT_TRACK),
+            any(e.get("cat") == "kernel" for e in by_track[k]),
+            str(k),
+        ),
+    )
+    rows: list[tuple[str, list[_Slice]]] = []
+    for key in order:
+        slices = _nest(by_track[key])
+        for depth in range(min(max_depth, 1 + max(s.depth for s in slices))):
+            label = names.get(key, f"{key[0]}/{key[1]}") if depth == 0 else ""
+            rows.append((label, [s for s in slices if s.depth == depth]))
+    figure = Figure(figsize=(14, 0.42 * len(rows) + 1.4), dpi=dpi)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    palette = [
+        "#4e79a7",
+        "#f28e2b",
+        "#59a14f",
+        "#b07aa1",
+        "#edc948",
+        "#76b7b2",
+        "#ff9da7",
+        "#9c755f",
+        "#bab0ac",
+    ]
+    width = hi - lo
+    for y, (_, slices) in enumerate(rows):
+        for s in slices:
+            start, end = max(s.start_us, lo), min(s.start_us + s.dur_us, hi)
+            color = "#e15759" if _COMM_NAME.match(s.name) else palette[sum(map(ord, s.name)) % len(palette)]
+            ax.barh(
+                y,
+                (end - start) / 1e3,
+                left=(start - lo) / 1e3,
+                height=0.8,
+                color=color,
+                edgecolor="white",
+                linewidth=0.3,
+            )
+            fits = int(190 * (end - start) / width)  # characters of 7-point text the slice can hold
+            if fits >= 6:
+                label = s.name if len(s.name) <= fits else s.name[: fits - 1] + "…"
+                ax.text(
+                    (start + end - 2 * lo) / 2e3, y, label, ha="center", va="center", fontsize=7, clip_on=True
+                )
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, width / 1e3)
+    ax.set_xlabel("ms from the window's start")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_title(title or "Trace tracks (red: collectives)")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, bbox_inches="tight")
+    return path
