@@ -147,7 +147,9 @@ def fsdp_rows(scale: float = 1.0) -> pd.DataFrame:
         rows.append({"strategy": strategy, "compute": "fp32", "iteration_ms": ms, "params_MB": params,
                      "model_params_MB": params, "grads_MB": params, "model_grads_MB": params,
                      "optimizer_MB": 2 * params, "model_optimizer_MB": 2 * params, "model_gathered_MB": 0.0,
-                     "model_activations_MB": 900.0, "peak_MB": 4 * params + 1000, "other_MB": 1000.0})
+                     "model_activations_MB": 900.0, "peak_MB": 4 * params + 1000, "other_MB": 1000.0,
+                     "comm_ms": 40.0, "exposed_comm_ms": 10.0 if "fsdp" in strategy else 20.0,
+                     "overlap_pct": 75.0 if "fsdp" in strategy else 50.0})
     return pd.DataFrame(rows)
 
 
@@ -218,6 +220,7 @@ def test_every_section_is_measured_and_plotted(gpu_report):
     names = {p.name for p in plots}
     assert {"e2e_train.png", "attention.png", "flash_speedup.png", "flash_time.png", "ddp_step_time.png",
             "allreduce_bandwidth.png", "shardopt_memory.png", "shardopt_overlap.png", "fsdp_memory.png",
+            "fsdp_overlap.png",
             "checkpointing_memory_time.png",
             "e2e_train_memory_2.7B_ctx128_fp32_naive.png"} <= names
     for p in plots:
@@ -321,6 +324,7 @@ def test_fsdp_statements(gpu_report):
     text = section(gpu_report[0], title_of("fsdp"))
     assert "fp32: minddp.FSDP holds 250 MB of parameters per rank, 2.00x less than DDP (500 MB)" in text
     assert "minddp.FSDP 126 ms per iteration against FSDP2's 120 ms (+5.0%); peak 2,000 MB a rank" in text
+    assert "minddp-fsdp fp32 10 of 40 ms exposed (75% overlapped)" in text
     assert "Settings: model xl." in text  # each model size's file has its table and findings
     assert "minddp.FSDP 252 ms per iteration against FSDP2's 240 ms (+5.0%); peak 3,000 MB a rank" in text
 
