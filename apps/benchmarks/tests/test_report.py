@@ -308,6 +308,7 @@ def test_ddp_differences_within_noise_are_not_findings(tmp_path):
               "naive 30 of 30 ms exposed (0% overlapped)")
     assert traced in text
     assert "Noise: 1 of 2 strategies" in text
+    assert "no communication on the device" not in text
     assert "this run gives no verdict on the 1.10x goal" in text and "0.980x" not in text
 
 

@@ -39,6 +39,11 @@ def phases_of(document: dict[str, Any]) -> tuple[str, ...]:
     return tuple(names) or DEFAULT_PHASES
 
 
+def _shorten(name: str, width: int = 90) -> str:
+    """A kernel name cut to ``width`` characters (CUDA template names run to a thousand)."""
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
 def summarize(paths: Sequence[str], markdown: bool | None, limit: int) -> str:
     files = trace_files(paths)
     if not files:
@@ -52,7 +57,8 @@ def summarize(paths: Sequence[str], markdown: bool | None, limit: int) -> str:
                                   title=f"{path.name}: {report.source} per phase, per step ({steps} steps)"))
         if len(files) == 1:
             for phase, table in report.tables.items():
-                parts.append(format_table(table.rows(limit), markdown, title=f"{phase}: top {limit}"))
+                rows = [{**row, "Name": _shorten(str(row["Name"]))} for row in table.rows(limit)]
+                parts.append(format_table(rows, markdown, title=f"{phase}: top {limit}"))
     if len(files) > 1:
         parts.append(analyze_comm(documents).format(markdown))
     return "\n\n".join(parts)

@@ -319,18 +319,19 @@ def render_trace(
     ]
     width = hi - lo
     for y, (_, slices) in enumerate(rows):
-        for s in slices:
-            start, end = max(s.start_us, lo), min(s.start_us + s.dur_us, hi)
-            color = "#e15759" if _COMM_NAME.match(s.name) else palette[sum(map(ord, s.name)) % len(palette)]
-            ax.barh(
-                y,
-                (end - start) / 1e3,
-                left=(start - lo) / 1e3,
-                height=0.8,
-                color=color,
-                edgecolor="white",
-                linewidth=0.3,
-            )
+        spans = [(max(s.start_us, lo), min(s.start_us + s.dur_us, hi)) for s in slices]
+        colors = [
+            "#e15759" if _COMM_NAME.match(s.name) else palette[sum(map(ord, s.name)) % len(palette)]
+            for s in slices
+        ]
+        ax.broken_barh(
+            [((a - lo) / 1e3, (b - a) / 1e3) for a, b in spans],
+            (y - 0.4, 0.8),
+            facecolors=colors,
+            edgecolor="white",
+            linewidth=0.3,
+        )
+        for s, (start, end) in zip(slices, spans, strict=True):
             fits = int(190 * (end - start) / width)  # characters of 7-point text the slice can hold
             if fits >= 6:
                 label = s.name if len(s.name) <= fits else s.name[: fits - 1] + "…"

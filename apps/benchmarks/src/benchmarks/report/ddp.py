@@ -85,7 +85,9 @@ def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]
              f"slowest: {worst['label']} {worst['step']:.4g} ms ({against_single(worst, ref)})."]
     if set(TRACED) <= set(df.columns):
         sentence = overlap_sentence(dist["label"], *(dist[c] for c in TRACED))
-        lines += [sentence] if sentence else []
+        lines.append(sentence or "- The traces hold no communication on the device: with one rank an "
+                     "all-reduce moves nothing (NCCL launches no kernel): nothing to overlap; the "
+                     "step times above are the wrappers' own cost.")
     if dist["noise"].any():
         lines.append(f"- Noise: {int(dist['noise'].sum())} of {len(dist)} strategies differ from one device "
                      f"by less than the spread of that difference (from the std of the steps, {NOISE}); "
