@@ -27,7 +27,7 @@ from profkit.precision import autocast, autocast_dtype
 from profkit.timing import PhaseClock, PhaseMarker, Timing, run_steps, synchronize, time_phases, time_steps
 from profkit.traces import load_trace, trace, tracing
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CommReport", "KernelReport", "KernelTable", "MemoryBreakdown", "NsysNotFoundError", "PeakMemory",

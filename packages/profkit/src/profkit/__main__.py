@@ -24,8 +24,9 @@ from profkit.tables import format_table
 from profkit.traces import PROFKIT_TRACK, load_trace, trace_files
 
 _STEP = re.compile(r"^(?:step|warmup) \d+$")
-MEMORY_VIZ = ("open it in https://pytorch.org/memory_viz (drag the file onto the page; it stays in your "
-              "browser), or offline: python -m torch.cuda._memory_viz trace_plot SNAPSHOT -o trace.html")
+MEMORY_VIZ = ("open it at https://pytorch.org/memory_viz (drop the file on the page: it is read in your "
+              "browser, not uploaded), or write a page that embeds it: python -m torch.cuda._memory_viz "
+              "trace_plot SNAPSHOT -o trace.html (the page loads the viewer's script from the web)")
 
 
 def phases_of(document: dict[str, Any]) -> tuple[str, ...]:

@@ -73,7 +73,9 @@ class MemoryBreakdown:
         return rows
 
     def format(self, markdown: bool | None = None) -> str:
-        return format_table(self.rows(), markdown, title=f"Memory at the peak, by category ({self.source})")
+        title = ("Memory at the peak, by category (snapshot)" if self.source == "snapshot"
+                 else "Memory by category (tensor sizes, held now)")
+        return format_table(self.rows(), markdown, title=title)
 
 
 def _storages(tensors: Iterable[Any]) -> Iterator[torch.Tensor]:
