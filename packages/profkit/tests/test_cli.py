@@ -26,33 +26,20 @@ def traced_step(tmp_path):
     return profkit.trace(step, path=tmp_path / "one.json.gz", warmup=1, steps=2)
 
 
-def rank_trace(path, rank, gloo_start_ms):
-    def op(name, start, end, tid=1, cat="cpu_op", **args):
-        return {
-            "ph": "X",
-            "cat": cat,
-            "name": name,
-            "pid": 1,
-            "tid": tid,
-            "ts": start * 1e3,
-            "dur": (end - start) * 1e3,
-            "args": args,
-        }
-
-    events = [
-        op("aten::mm", 0, 10),
-        op(
-            "gloo:all_reduce",
-            gloo_start_ms,
-            14,
-            tid=2,
-            cat="user_annotation",
-            **{"Input Dims": [[1000]], "Input type": ["float"]},
-        ),
-    ]
-    path.write_text(
-        json.dumps({"traceEvents": events, "profkit": {"rank": rank, "world_size": 2, "steps": 1}})
+def rank_trace(path, rank, gloo_start_ms, event):
+    gloo = event(
+        "gloo:all_reduce",
+        gloo_start_ms,
+        14,
+        tid=2,
+        cat="user_annotation",
+        **{"Input Dims": [[1000]], "Input type": ["float"]},
     )
+    document = {
+        "traceEvents": [event("aten::mm", 0, 10), gloo],
+        "profkit": {"rank": rank, "world_size": 2, "steps": 1},
+    }
+    path.write_text(json.dumps(document))
     return path
 
 
@@ -65,8 +52,11 @@ def test_summarize_one_trace_prints_phase_tables(tmp_path, capsys):
     assert "aten::addmm" in out
 
 
-def test_summarize_several_ranks_prints_the_communication_table(tmp_path, capsys):
-    a, b = rank_trace(tmp_path / "r0.json", 0, 10.5), rank_trace(tmp_path / "r1.json", 1, 12)
+def test_summarize_several_ranks_prints_the_communication_table(tmp_path, capsys, chrome_event):
+    a, b = (
+        rank_trace(tmp_path / "r0.json", 0, 10.5, chrome_event),
+        rank_trace(tmp_path / "r1.json", 1, 12, chrome_event),
+    )
     main(["summarize", str(a), str(b), "--plain"])
     out = capsys.readouterr().out
     assert "Communication (cpu, per step)" in out and "Straggler: rank 1" in out
@@ -99,8 +89,11 @@ def test_errors_exit_with_a_message(tmp_path, capsys):
         main(["summarize", str(tmp_path / "none.json"), "--limit", "0"])
 
 
-def test_piped_output_is_markdown(tmp_path):
-    a, b = rank_trace(tmp_path / "r0.json", 0, 10.5), rank_trace(tmp_path / "r1.json", 1, 12)
+def test_piped_output_is_markdown(tmp_path, chrome_event):
+    a, b = (
+        rank_trace(tmp_path / "r0.json", 0, 10.5, chrome_event),
+        rank_trace(tmp_path / "r1.json", 1, 12, chrome_event),
+    )
     src = str(Path(profkit.__file__).parents[1])
     result = subprocess.run(
         [sys.executable, "-m", "profkit", "summarize", str(a), str(b)],

@@ -11,20 +11,7 @@ import profkit
 from profkit.comm import analyze_comm, bus_factor, canonical_collective, dtype_bytes
 
 
-def op(name, start_ms, end_ms, tid=1, cat="cpu_op", **args):
-    return {
-        "ph": "X",
-        "cat": cat,
-        "name": name,
-        "pid": 10,
-        "tid": tid,
-        "ts": start_ms * 1e3,
-        "dur": (end_ms - start_ms) * 1e3,
-        "args": args,
-    }
-
-
-def cpu_rank(rank, gloo_start_ms, extra=()):
+def cpu_rank(op, rank, gloo_start_ms, extra=()):
     """Main thread: compute 0-10 and 12-20 ms; gloo's thread: one all-reduce of 1000 floats to 14 ms."""
     events = [
         op("aten::mm", 0, 10),
@@ -47,13 +34,14 @@ def cpu_rank(rank, gloo_start_ms, extra=()):
     }
 
 
-def test_cpu_traces_with_known_answers():
+def test_cpu_traces_with_known_answers(chrome_event):
+    op = chrome_event
     hook = [
         op("autograd::engine::evaluate_function: AccumulateGrad", 20, 25),
         op("c10d::allreduce_", 21, 21.1),
         op("aten::mul", 22, 23),
     ]
-    report = analyze_comm([cpu_rank(0, 10.5, hook), cpu_rank(1, 12)])
+    report = analyze_comm([cpu_rank(op, 0, 10.5, hook), cpu_rank(op, 1, 12)])
     r0, r1 = report.ranks
     # rank 0: compute = 10 + 8 + 1 (the mul, not the hook node that issued a collective); the all-reduce
     # runs 10.5-14 and compute 12-14 hides 2 ms of it
@@ -75,7 +63,8 @@ def test_cpu_traces_with_known_answers():
     assert rows[0]["wait ms r0"] == pytest.approx(1.5) and rows[0]["last most often"] == 1
 
 
-def test_cuda_kernels_and_clock_bases():
+def test_cuda_kernels_and_clock_bases(chrome_event):
+    op = chrome_event
     nccl = {
         "Collective name": "allreduce",
         "In msg nelems": 1_000_000,
@@ -111,13 +100,17 @@ def test_cuda_kernels_and_clock_bases():
     assert c.busbw == pytest.approx(4e6 / 5e-3 * 1.0)
 
 
-def test_mismatched_traces_are_an_error():
+def test_mismatched_traces_are_an_error(chrome_event):
+    op = chrome_event
     with pytest.raises(ValueError, match="different numbers of collectives"):
         analyze_comm(
-            [cpu_rank(0, 10.5), {**cpu_rank(1, 12), "traceEvents": cpu_rank(1, 12)["traceEvents"][:3]}]
+            [
+                cpu_rank(op, 0, 10.5),
+                {**cpu_rank(op, 1, 12), "traceEvents": cpu_rank(op, 1, 12)["traceEvents"][:3]},
+            ]
         )
     with pytest.raises(ValueError, match="same rank"):
-        analyze_comm([cpu_rank(0, 10.5), cpu_rank(0, 12)])
+        analyze_comm([cpu_rank(op, 0, 10.5), cpu_rank(op, 0, 12)])
     with pytest.raises(ValueError, match="empty"):
         analyze_comm([])
 

@@ -172,21 +172,11 @@ def test_kineto_events_link_kernels_to_the_operator_that_launched_them(cls):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_profile_phases_reports_each_phase(device):
+def test_profile_phases_reports_each_phase(device, training_step):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
-    x = torch.randn(16, 32, device=device)
-
-    def step(phase):
-        optimizer.zero_grad()
-        with phase("forward"):
-            loss = model(x).square().mean()
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            optimizer.step()
-
+    step = training_step(model, optimizer, torch.randn(16, 32, device=device))
     report = profkit.profile_phases(step, warmup=1, steps=2, device=device)
     # Work outside the three phases (the profiler's own set-up ops, say) gets a table of its own, last.
     assert [p for p in report.tables if p != OUTSIDE] == ["forward", "backward", "optimizer"]
