@@ -94,7 +94,7 @@ class StepTimes:
     step_ms: list[float]
     peak_gib: float
     buckets: float  # gradient all-reduces per step of the minddp strategies; NaN otherwise
-    comm: dict[str, Any] = field(default_factory=dict)  # benchmarks.overlap.COLUMNS, from traces
+    comm: dict[str, Any] = field(default_factory=dict)  # benchmarks.overlap.metrics, from traces
 
 
 class _Clock:

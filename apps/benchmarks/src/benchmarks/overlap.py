@@ -9,7 +9,6 @@ so it cannot come out negative.
 
 from __future__ import annotations
 
-import math
 import re
 import tempfile
 from pathlib import Path
@@ -21,11 +20,10 @@ import profkit
 from profkit.comm import CommReport
 from profkit.timing import Step
 
-COLUMNS = ["compute ms", "comm ms", "exposed comm ms", "overlap %", "wait ms", "busbw GB/s", "straggler"]
-
 
 def metrics(report: CommReport) -> dict[str, Any]:
-    """The columns of :data:`COLUMNS`: per step, mean over the ranks; overlap from their sums."""
+    """compute, comm, exposed comm and wait ms per step (mean over the ranks), overlap % (from the ranks'
+    sums), bus bandwidth (GB/s) and the straggler."""
     ranks = len(report.ranks)
     total = report.total()
     return {
@@ -59,7 +57,3 @@ def trace_comm(step: Step, label: str, steps: int, trace_dir: str | Path | None 
     dist.broadcast_object_list(result, src=0)
     return result[0]
 
-
-def no_comm() -> dict[str, Any]:
-    """The columns for a run without collectives (not traced)."""
-    return dict.fromkeys(COLUMNS, math.nan) | {"straggler": "-"}
