@@ -100,15 +100,29 @@ def test_cuda_kernels_and_clock_bases(chrome_event):
     assert c.busbw == pytest.approx(4e6 / 5e-3 * 1.0)
 
 
+def test_collectives_only_one_rank_holds_are_left_out_of_the_waits(chrome_event):
+    op = chrome_event
+    late = op(
+        "gloo:all_reduce",
+        15,
+        16,
+        tid=2,
+        cat="user_annotation",
+        **{"Input Dims": [[10]], "Input type": ["float"]},
+    )
+    report = analyze_comm([cpu_rank(op, 0, 10.5, [late]), cpu_rank(op, 1, 12)])
+    assert report.unmatched == {0: 1} and len(report.collectives) == 1
+    assert report.ranks[0].comm_ms == pytest.approx(3.5 + 1.0)  # it ran, so it counts as communication
+    assert report.ranks[0].wait_ms == pytest.approx(1.5)
+    assert "Unmatched: rank 0 has 1 collective(s)" in report.format(markdown=True)
+
+
 def test_mismatched_traces_are_an_error(chrome_event):
     op = chrome_event
-    with pytest.raises(ValueError, match="different numbers of collectives"):
-        analyze_comm(
-            [
-                cpu_rank(op, 0, 10.5),
-                {**cpu_rank(op, 1, 12), "traceEvents": cpu_rank(op, 1, 12)["traceEvents"][:3]},
-            ]
-        )
+    gather = op("gloo:all_gather", 10.5, 14, tid=2, cat="user_annotation")
+    other = {**cpu_rank(op, 1, 12), "traceEvents": [*cpu_rank(op, 1, 12)["traceEvents"][:3], gather]}
+    with pytest.raises(ValueError, match="ranks disagree on what it is"):
+        analyze_comm([cpu_rank(op, 0, 10.5), other])
     with pytest.raises(ValueError, match="same rank"):
         analyze_comm([cpu_rank(op, 0, 10.5), cpu_rank(op, 0, 12)])
     with pytest.raises(ValueError, match="empty"):

@@ -424,6 +424,8 @@ class CommReport:
     collectives: list[Collective]
     steps: int
     caused_wait_ms: dict[int, float] = field(default_factory=dict)  # per rank, per step
+    # per rank: collectives at the end of its trace with no partner on every rank (left out of waits)
+    unmatched: dict[int, int] = field(default_factory=dict)
 
     @property
     def straggler(self) -> int | None:
@@ -505,12 +507,24 @@ class CommReport:
                 f"Straggler: rank {straggler} (the others waited {self.caused_wait_ms[straggler]:.3g} ms "
                 "per step for it to arrive)."
             )
+        if self.unmatched:
+            parts.append(
+                "Unmatched: "
+                + ", ".join(f"rank {r} has {n}" for r, n in sorted(self.unmatched.items()))
+                + " collective(s) that not every rank's trace holds (in flight when tracing stopped, or "
+                "traces of different steps); they count in communication time, not in the waits."
+            )
         parts.append(format_table(self.collective_rows(), markdown, title="Collectives"))
         return "\n\n".join(parts)
 
 
-def _align(timelines: Sequence[RankTimeline]) -> list[Collective]:
-    """Match the k-th collective of each group across ranks; an error if the ranks disagree."""
+def _align(timelines: Sequence[RankTimeline]) -> tuple[list[Collective], dict[int, int]]:
+    """Match the k-th collective of each group across ranks, as far as every rank has one.
+
+    Returns the matched collectives and, per rank, how many of its collectives had no partner on
+    every rank (a trace that stopped while one was in flight). Ranks that disagree on what the k-th
+    collective is are an error: their traces are not of the same steps.
+    """
     per_rank: dict[int, dict[str, list[CollectiveCall]]] = {}
     for t in timelines:
         groups: dict[str, list[CollectiveCall]] = defaultdict(list)
@@ -519,14 +533,13 @@ def _align(timelines: Sequence[RankTimeline]) -> list[Collective]:
         per_rank[t.rank] = groups
     names = sorted({g for groups in per_rank.values() for g in groups})
     collectives = []
+    unmatched: dict[int, int] = defaultdict(int)
     for group in names:
         counts = {rank: len(groups.get(group, [])) for rank, groups in per_rank.items()}
-        if len(set(counts.values())) > 1:
-            raise ValueError(
-                f"process group {group!r}: the traces hold different numbers of collectives per rank "
-                f"{counts}; trace the same steps on every rank"
-            )
-        for k in range(next(iter(counts.values()))):
+        common = min(counts.values())
+        for rank, count in counts.items():
+            unmatched[rank] += count - common
+        for k in range(common):
             calls = {rank: groups[group][k] for rank, groups in per_rank.items()}
             kinds = {c.name for c in calls.values()}
             if len(kinds) > 1:
@@ -537,7 +550,8 @@ def _align(timelines: Sequence[RankTimeline]) -> list[Collective]:
             first = next(iter(calls.values()))
             nbytes = max(c.nbytes for c in calls.values())
             collectives.append(Collective(k, first.name, group, nbytes, first.group_size, calls))
-    return sorted(collectives, key=lambda c: min(call.start_ns for call in c.calls.values()))
+    ordered = sorted(collectives, key=lambda c: min(call.start_ns for call in c.calls.values()))
+    return ordered, {rank: n for rank, n in unmatched.items() if n}
 
 
 def _clock_offsets(documents: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -567,7 +581,7 @@ def analyze_comm(traces: Sequence[str | Path | Mapping[str, Any]]) -> CommReport
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"two traces claim the same rank: {ranks}")
     steps = timelines[0].steps
-    collectives = _align(timelines)
+    collectives, unmatched = _align(timelines)
     waits: dict[int, float] = defaultdict(float)
     caused: dict[int, float] = defaultdict(float)
     for c in collectives:
@@ -576,7 +590,7 @@ def analyze_comm(traces: Sequence[str | Path | Mapping[str, Any]]) -> CommReport
             waits[rank] += wait
         caused[c.last_rank] += max(rank_waits.values())
     results = [_rank_comm(t, waits[t.rank]) for t in sorted(timelines, key=lambda t: t.rank)]
-    return CommReport(results, collectives, steps, {r: caused[r] / 1e6 / steps for r in ranks})
+    return CommReport(results, collectives, steps, {r: caused[r] / 1e6 / steps for r in ranks}, unmatched)
 
 
 def _rank_comm(t: RankTimeline, wait_ns: float) -> RankComm:
