@@ -31,7 +31,10 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
 - Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
   window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
   the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
-  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
+  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf; a
+  NaN or +inf among the scores a row sees makes its out and lse NaN, as SDPA's math backend does (a score
+  that a bool mask, the causal mask or a window removes is not read, where SDPA's math backend adds -inf
+  to it, which keeps a NaN).
 - ``out`` is shaped and typed like q and laid out as SDPA lays it out (``_inputs.output_like``): dense, in
   q's order of dims in memory (d innermost), so q's strides where q is dense, and (B, T, H, d) memory for
   the ``view(B, T, H, d).transpose(1, 2)`` of a projection (fused or not), whose transpose back to (B, T,

@@ -1,0 +1,102 @@
+"""Edge cases of issue 43 on the PyTorch path (CPU): non-finite inputs against SDPA on the same data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashattn_triton import flash_attention, flash_attention_varlen
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _qkv(shape=(1, 2, 6, 8), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for _ in range(3)]
+
+
+def _with(t: torch.Tensor, index: tuple, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def _grad_out(like: torch.Tensor) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, like.numel()).view(like.shape)
+
+
+def _outputs_and_gradients(attention, q, k, v, grad_out=None, **kwargs):
+    """attention(q, k, v, **kwargs) and its gradients of q, k and v for dO (default _grad_out)."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, **kwargs)
+    return [out.detach(), *torch.autograd.grad(out, leaves, _grad_out(out) if grad_out is None else grad_out)]
+
+
+def _sdpa(*args, **kwargs):
+    """SDPA's math backend: its CPU flash backend gives 0 for a row of NaN scores, its math backend NaN."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _assert_like_sdpa(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each of O, dQ, dK, dV: NaN and ±inf where SDPA's are, and close to it elsewhere."""
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, equal_nan=True, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+q0, k0, v0 = _qkv()
+# Overflowing scores at d = 1, where a score is one product: SDPA's math backend scales q and k by
+# sqrt(scale) each, so a sum of several products could overflow in one of its terms and not in ours.
+q1, k1, v1 = _qkv((1, 2, 8, 1), seed=2)
+FLOAT_MASK = torch.zeros(6, 6)
+ROW_4_SEES_NOTHING = _with(torch.ones(6, 6), (4, slice(None)), 0) > 0
+NON_FINITE = {
+    "nan in q": (_with(q0, (0, 1, 2, 3), NAN), k0, v0, {}),
+    "nan in k": (q0, _with(k0, (0, 0, 4, 0), NAN), v0, {}),
+    "+inf in q": (_with(q0, (0, 0, 1, 5), INF), k0, v0, {}),
+    "-inf in k": (q0, _with(k0, (0, 1, 3, 2), -INF), v0, {}),
+    "nan in a float mask row": (q0, k0, v0, {"attn_mask": _with(FLOAT_MASK, (2, 4), NAN)}),
+    "+inf in a float mask row": (q0, k0, v0, {"attn_mask": _with(FLOAT_MASK, (3, 1), INF)}),
+    "scores past float32 (q, k * 1e20)": (q1 * 1e20, k1 * 1e20, v1, {}),
+    "scale=3e38": (q1, k1, v1, {"scale": 3e38}),
+    # Rows that see no key get 0 in both (SDPA's softmax of an all -inf row is 0 since torch 2.5).
+    "a fully -inf float mask row": (q0, k0, v0, {"attn_mask": _with(FLOAT_MASK, (1, slice(None)), -INF)}),
+    "a fully False bool mask row": (q0, k0, v0, {"attn_mask": ROW_4_SEES_NOTHING}),
+}
+
+
+@pytest.mark.parametrize("case", list(NON_FINITE))
+def test_non_finite_inputs_give_sdpas_nan_pattern(case):
+    """A NaN or +inf among a row's scores makes the row (and the gradients it reaches) NaN, as in SDPA;
+    it read 0 before (the rule "a row that sees no key gets 0" took a NaN sum for no key)."""
+    q, k, v, kwargs = NON_FINITE[case]
+    got = _outputs_and_gradients(flash_attention, q, k, v, **kwargs)
+    want = _outputs_and_gradients(_sdpa, q, k, v, **kwargs)
+    if case.startswith(("nan", "+inf", "scores", "scale")):
+        assert got[0].isnan().any()  # (the case is one: SDPA's output has NaN rows)
+    _assert_like_sdpa(got, want)
+
+
+def test_nan_in_one_packed_sequence_stays_in_it():
+    """A NaN in one packed sequence makes that sequence's rows NaN, as SDPA of that sequence alone, and
+    leaves the other sequence as it was."""
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in _qkv((1, 2, 8, 8), seed=1))  # (total, H, d)
+    q[4, 1, 0] = NAN  # the second sequence's second row
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+    def packed(q, k, v):
+        return flash_attention_varlen(q, k, v, cu, cu, 5, 5)
+
+    grad_out = _grad_out(q)
+    got = _outputs_and_gradients(packed, q, k, v, grad_out)
+    want = [torch.empty_like(t) for t in got]
+    for start, end in ((0, 3), (3, 8)):
+        sequence = (t[start:end].transpose(0, 1) for t in (q, k, v, grad_out))
+        pieces = _outputs_and_gradients(_sdpa, *sequence)
+        for whole, piece in zip(want, pieces, strict=True):
+            whole[start:end] = piece.transpose(0, 1)
+    assert got[0][:3].isfinite().all() and got[0][3:].isnan().any()
+    _assert_like_sdpa(got, want)
