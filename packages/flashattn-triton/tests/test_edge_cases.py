@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn_triton import flash_attention, flash_attention_varlen
 
@@ -21,30 +19,6 @@ def _with(t: torch.Tensor, index: tuple, value: float) -> torch.Tensor:
     t = t.clone()
     t[index] = value
     return t
-
-
-def _grad_out(like: torch.Tensor) -> torch.Tensor:
-    return torch.linspace(-1.0, 1.0, like.numel()).view(like.shape)
-
-
-def _outputs_and_gradients(attention, q, k, v, grad_out=None, **kwargs):
-    """attention(q, k, v, **kwargs) and its gradients of q, k and v for dO (default _grad_out)."""
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention(*leaves, **kwargs)
-    return [out.detach(), *torch.autograd.grad(out, leaves, _grad_out(out) if grad_out is None else grad_out)]
-
-
-def _sdpa(*args, **kwargs):
-    """SDPA's math backend: its CPU flash backend gives 0 for a row of NaN scores, its math backend NaN."""
-    with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(*args, **kwargs)
-
-
-def _assert_like_sdpa(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    """Each of O, dQ, dK, dV: NaN and ±inf where SDPA's are, and close to it elsewhere."""
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
-        torch.testing.assert_close(g, w, equal_nan=True, atol=1e-5, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
 
 
 q0, k0, v0 = _qkv()
@@ -69,18 +43,18 @@ NON_FINITE = {
 
 
 @pytest.mark.parametrize("case", list(NON_FINITE))
-def test_non_finite_inputs_give_sdpas_nan_pattern(case):
+def test_non_finite_inputs_give_sdpas_nan_pattern(case, like_sdpa):
     """A NaN or +inf among a row's scores makes the row (and the gradients it reaches) NaN, as in SDPA;
     it read 0 before (the rule "a row that sees no key gets 0" took a NaN sum for no key)."""
     q, k, v, kwargs = NON_FINITE[case]
-    got = _outputs_and_gradients(flash_attention, q, k, v, **kwargs)
-    want = _outputs_and_gradients(_sdpa, q, k, v, **kwargs)
+    got = like_sdpa.results(flash_attention, q, k, v, **kwargs)
+    want = like_sdpa.results(like_sdpa.sdpa, q, k, v, **kwargs)
     if case.startswith(("nan", "+inf", "scores", "scale")):
         assert got[0].isnan().any()  # (the case is one: SDPA's output has NaN rows)
-    _assert_like_sdpa(got, want)
+    like_sdpa.check(got, want)
 
 
-def test_nan_in_one_packed_sequence_stays_in_it():
+def test_nan_in_one_packed_sequence_stays_in_it(like_sdpa):
     """A NaN in one packed sequence makes that sequence's rows NaN, as SDPA of that sequence alone, and
     leaves the other sequence as it was."""
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in _qkv((1, 2, 8, 8), seed=1))  # (total, H, d)
@@ -90,13 +64,13 @@ def test_nan_in_one_packed_sequence_stays_in_it():
     def packed(q, k, v):
         return flash_attention_varlen(q, k, v, cu, cu, 5, 5)
 
-    grad_out = _grad_out(q)
-    got = _outputs_and_gradients(packed, q, k, v, grad_out)
+    grad_out = torch.linspace(-1.0, 1.0, q.numel()).view(q.shape)
+    got = like_sdpa.results(packed, q, k, v, grad_out)
     want = [torch.empty_like(t) for t in got]
     for start, end in ((0, 3), (3, 8)):
         sequence = (t[start:end].transpose(0, 1) for t in (q, k, v, grad_out))
-        pieces = _outputs_and_gradients(_sdpa, *sequence)
+        pieces = like_sdpa.results(like_sdpa.sdpa, *sequence)
         for whole, piece in zip(want, pieces, strict=True):
             whole[start:end] = piece.transpose(0, 1)
     assert got[0][:3].isfinite().all() and got[0][3:].isnan().any()
-    _assert_like_sdpa(got, want)
+    like_sdpa.check(got, want)
