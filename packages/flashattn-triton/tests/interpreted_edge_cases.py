@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from flashattn_triton import flash_attention, ops, triton_impl
+from flashattn_triton import flash_attention, flash_attention_varlen, ops, triton_impl
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_triton_interpreter.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
@@ -51,3 +51,32 @@ def test_infinite_inputs_give_sdpas_pattern_at_full_float32(case, like_sdpa, ful
     want = like_sdpa.results(like_sdpa.sdpa, q, k, v, is_causal=is_causal)
     assert not want[0].isnan().all()  # (a case where rows differ)
     like_sdpa.check(got, want)
+
+
+def _packed_qkv(total: int = 14):
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(total, 2, 16, generator=generator) for _ in range(3)]
+
+
+def test_strided_cu_seqlens_on_the_feature_kernels(full_float32_precision):
+    """A strided cu_seqlens (every other entry of a table) was read as if contiguous by the feature kernels
+    (packed float32 at full accuracy goes there): out was off by 4e35. Each sequence against SDPA alone."""
+    q, k, v = _packed_qkv()
+    cu = torch.tensor([0, 0, 5, 5, 14, 14], dtype=torch.int32)[::2]
+    assert ops._path(q, k, {"attn_mask": None, "window_left": -1, "window_right": -1, "diagonal_offset": 0,
+                            "cu_seqlens_q": cu}) == "features"  # fmt: skip
+    out = flash_attention_varlen(q, k, v, cu, cu, 9, 9)
+    for start, end in ((0, 5), (5, 14)):
+        sequence = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(*sequence).transpose(0, 1)
+        torch.testing.assert_close(out[start:end], want, atol=1e-5, rtol=1e-5)
+
+
+def test_invalid_cu_seqlens_under_torch_compile_never_reaches_the_kernels(full_float32_precision):
+    """Compiled, a cu_seqlens ending past the rows went unchecked and the kernels wrote out of bounds
+    (``free(): invalid next size`` under the interpreter): the op refuses it before they run."""
+    q, k, v = _packed_qkv()
+    compiled = torch.compile(lambda q, k, v, cu: flash_attention_varlen(q, k, v, cu, cu, 15, 15),
+                             backend="aot_eager", fullgraph=True)  # fmt: skip
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 20 but q has 14 rows"):
+        compiled(q, k, v, torch.tensor([0, 5, 20], dtype=torch.int32))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_triton import flash_attention, flash_attention_varlen
+from flashattn_triton import _validation, flash_attention, flash_attention_varlen
 
 NAN, INF = float("nan"), float("inf")
 
@@ -74,3 +74,49 @@ def test_nan_in_one_packed_sequence_stays_in_it(like_sdpa):
             whole[start:end] = piece.transpose(0, 1)
     assert got[0][:3].isfinite().all() and got[0][3:].isnan().any()
     like_sdpa.check(got, want)
+
+
+def _packed_qkv(total: int = 14):
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(total, 2, 8, generator=generator) for _ in range(3)]
+
+
+def test_cu_seqlens_changed_in_place_without_a_version_bump_is_refused():
+    """cu_seqlens' values were checked once per tensor and version: a change through .data (or a reused
+    buffer) bumps no version and went unchecked."""
+    q, k, v = _packed_qkv()
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    flash_attention_varlen(q, k, v, cu, cu, 9, 9)
+    cu.data[1] = 20
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0 and be non-decreasing"):
+        flash_attention_varlen(q, k, v, cu, cu, 20, 20)
+
+
+def test_invalid_cu_seqlens_under_torch_compile_is_refused():
+    """Compiled, cu_seqlens' values are data, which flash_attention_varlen's checks cannot read: the op
+    checks them where it runs (a cu_seqlens ending past the rows had the kernels write out of bounds)."""
+    q, k, v = _packed_qkv()
+    compiled = torch.compile(lambda q, k, v, cu: flash_attention_varlen(q, k, v, cu, cu, 15, 15),
+                             backend="aot_eager", fullgraph=True)  # fmt: skip
+    good = torch.tensor([0, 5, 14], dtype=torch.int32)
+    torch.testing.assert_close(compiled(q, k, v, good), flash_attention_varlen(q, k, v, good, good, 15, 15))
+    with pytest.raises(ValueError, match="cu_seqlens_q ends at 20 but q has 14 rows"):
+        compiled(q, k, v, torch.tensor([0, 5, 20], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("values", "total", "max_seqlen", "valid"),
+    [([0, 5, 14], 14, 9, True), ([0, 0, 14], 14, 14, True), ([1, 5, 14], 14, 9, False),
+     ([0, 6, 5, 14], 14, 9, False), ([0, 5, 20], 14, 15, False), ([0, 5, 13], 14, 9, False),
+     ([0, 5, 14], 14, 8, False)],
+)  # fmt: skip
+def test_the_device_check_of_cu_seqlens_agrees_with_the_host_check(values, total, max_seqlen, valid):
+    """packed_rows_valid, what the ops assert on the GPU, run here on CPU: the host check's verdict."""
+    cu = torch.tensor(values, dtype=torch.int32)
+    assert _validation.packed_rows_valid(cu, total, max_seqlen).item() is valid
+    q = torch.empty(total, 1, 8)
+    if valid:
+        _validation.check_packed_rows(q, q, cu, cu, max_seqlen, max_seqlen)
+    else:
+        with pytest.raises(ValueError, match="cu_seqlens_q"):
+            _validation.check_packed_rows(q, q, cu, cu, max_seqlen, max_seqlen)

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, _launcher, _packed, feature_impl, torch_impl, triton_impl
+from flashattn_triton import _inputs, _launcher, _packed, _validation, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -156,6 +156,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
+    if cu_seqlens_q is not None:
+        _validation.check_packed_rows(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     path = _path(q, k, options)
     if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
@@ -179,6 +181,8 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
+    if cu_seqlens_q is not None:
+        _validation.check_packed_rows(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     path = _path(q, k, options)
     if path == "torch":
         grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
