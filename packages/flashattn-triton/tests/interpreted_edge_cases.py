@@ -53,15 +53,15 @@ def test_infinite_inputs_give_sdpas_pattern_at_full_float32(case, like_sdpa, ful
     like_sdpa.check(got, want)
 
 
-def _packed_qkv(total: int = 14):
+def _qkv(*shape: int):
     generator = torch.Generator().manual_seed(3)
-    return [torch.randn(total, 2, 16, generator=generator) for _ in range(3)]
+    return [torch.randn(shape or (1, 2, 40, 16), generator=generator) for _ in range(3)]
 
 
 def test_strided_cu_seqlens_on_the_feature_kernels(full_float32_precision):
     """A strided cu_seqlens (every other entry of a table) was read as if contiguous by the feature kernels
     (packed float32 at full accuracy goes there): out was off by 4e35. Each sequence against SDPA alone."""
-    q, k, v = _packed_qkv()
+    q, k, v = _qkv(14, 2, 16)
     cu = torch.tensor([0, 0, 5, 5, 14, 14], dtype=torch.int32)[::2]
     assert ops._path(q, k, {"attn_mask": None, "window_left": -1, "window_right": -1, "diagonal_offset": 0,
                             "cu_seqlens_q": cu}) == "features"  # fmt: skip
@@ -75,8 +75,26 @@ def test_strided_cu_seqlens_on_the_feature_kernels(full_float32_precision):
 def test_invalid_cu_seqlens_under_torch_compile_never_reaches_the_kernels(full_float32_precision):
     """Compiled, a cu_seqlens ending past the rows went unchecked and the kernels wrote out of bounds
     (``free(): invalid next size`` under the interpreter): the op refuses it before they run."""
-    q, k, v = _packed_qkv()
+    q, k, v = _qkv(14, 2, 16)
     compiled = torch.compile(lambda q, k, v, cu: flash_attention_varlen(q, k, v, cu, cu, 15, 15),
                              backend="aot_eager", fullgraph=True)  # fmt: skip
     with pytest.raises(ValueError, match="cu_seqlens_q ends at 20 but q has 14 rows"):
         compiled(q, k, v, torch.tensor([0, 5, 20], dtype=torch.int32))
+
+
+def test_second_derivatives_are_refused_and_torch_func_runs_on_the_kernels(like_sdpa, full_float32_precision):
+    """On the kernels as on the PyTorch path: a second derivative raised nothing and was off by its whole
+    size; torch.func.grad failed ("must override the setup_context staticmethod")."""
+    q, k, v = _qkv()
+
+    def loss(attention):
+        return lambda q, k, v: attention(q, k, v, is_causal=True).pow(2).sum()
+
+    got = torch.func.grad(loss(flash_attention), argnums=(0, 1, 2))(q, k, v)
+    want = torch.func.grad(loss(like_sdpa.sdpa), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    leaf = q.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(loss(flash_attention)(leaf, k, v), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match="flash_attention's gradients have no derivative"):
+        torch.autograd.grad(grad.sum(), leaf)

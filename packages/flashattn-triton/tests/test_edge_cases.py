@@ -120,3 +120,56 @@ def test_the_device_check_of_cu_seqlens_agrees_with_the_host_check(values, total
     else:
         with pytest.raises(ValueError, match="cu_seqlens_q"):
             _validation.check_packed_rows(q, q, cu, cu, max_seqlen, max_seqlen)
+
+
+NO_SECOND_DERIVATIVE = "flash_attention's gradients have no derivative"
+NO_FORWARD_DERIVATIVE = "flash_attention has no forward-mode derivative"
+
+
+def _loss(attention):
+    return lambda q, k, v: attention(q, k, v, is_causal=True).pow(2).sum()
+
+
+def test_a_second_derivative_is_refused(like_sdpa):
+    """Differentiating the gradients again raised nothing and gave second derivatives off by their whole
+    size (attn_bwd counted as a constant); the first derivatives under create_graph=True are SDPA's."""
+    q, k, v = (t.clone().requires_grad_() for t in _qkv())
+    grads = torch.autograd.grad(_loss(flash_attention)(q, k, v), (q, k, v), create_graph=True)
+    want = torch.autograd.grad(_loss(like_sdpa.sdpa)(q, k, v), (q, k, v))
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match=NO_SECOND_DERIVATIVE):
+        torch.autograd.grad(grads[0].sum(), q)
+    with pytest.raises(RuntimeError, match=NO_SECOND_DERIVATIVE):
+        grads[1].sum().backward()
+    with pytest.raises(RuntimeError, match=NO_SECOND_DERIVATIVE):
+        torch.func.grad(lambda x: torch.func.grad(_loss(flash_attention))(x, k, v).sum())(q.detach())
+
+
+def test_forward_mode_is_refused():
+    """torch.func.jvp and forward_ad gave zero tangents (the op's autograd passed them by)."""
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=NO_FORWARD_DERIVATIVE):
+        torch.func.jvp(lambda x: flash_attention(x, k, v), (q,), (torch.ones_like(q),))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(NotImplementedError, match=NO_FORWARD_DERIVATIVE):
+            flash_attention(dual, k, v)
+        torch.testing.assert_close(flash_attention(q, k, v), flash_attention(q, k, v))  # (no tangent: runs)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # (vmap runs the ops per sample)
+def test_torch_func_transforms_match_sdpa(like_sdpa):
+    """torch.func.grad, vjp and jacrev failed ("must override the setup_context staticmethod")."""
+    q, k, v = _qkv((1, 2, 5, 8))
+    results = {}
+    for name, attention in (("flash", flash_attention), ("sdpa", like_sdpa.sdpa)):
+        loss = _loss(attention)
+        results[name] = [
+            *torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v),
+            *torch.func.vjp(lambda x, a=attention: a(x, k, v), q)[1](torch.ones_like(q)),
+            torch.func.jacrev(lambda x, a=attention: a(x, k, v))(q),
+            torch.func.vmap(torch.func.grad(loss))(*(t.expand(3, *t.shape) for t in (q, k, v))),
+        ]
+    for got, want in zip(results["flash"], results["sdpa"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

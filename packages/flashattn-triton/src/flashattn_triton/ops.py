@@ -57,7 +57,11 @@ Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implemen
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
 ``fill_defaults``, the redispatch) and a second op for the backward cost about 0.9 ms of host time a
 forward and backward, four times a small problem's kernels (decisions.md#eager-autograd). Compiled,
-exported, fake, meta and transformed calls, and calls under a dispatch mode, go through the ops.
+exported, fake and meta calls, and calls under a dispatch mode, go through the ops; calls under a
+``torch.func`` transform or forward-mode AD through ``_TransformedAttention``, an autograd.Function around
+them that the transforms take. Where a graph of the gradients is built (``create_graph=True``, and every
+``torch.func`` transform) the gradients come from ``_GradientsOnce``, which refuses to be differentiated
+again; forward-mode AD raises NotImplementedError, as SDPA's flash backend does.
 """
 
 from __future__ import annotations
@@ -237,8 +241,45 @@ def _gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None, backw
     return (*grads, *[None] * len(options))
 
 
+def _no_forward_derivative(ctx: Any, *tangents: Any) -> None:
+    raise NotImplementedError(
+        "flash_attention has no forward-mode derivative (torch.func.jvp, torch.autograd.forward_ad), as "
+        "scaled_dot_product_attention's flash backend has none; for forward-mode AD use "
+        "scaled_dot_product_attention under torch.nn.attention.sdpa_kernel(SDPBackend.MATH)"
+    )
+
+
+class _GradientsOnce(torch.autograd.Function):
+    """attn_bwd where a graph of the gradients is built (create_graph=True, and torch.func's transforms,
+    which always build one): the gradients join the graph, and differentiating them again raises, for the
+    kernels have no derivative. attn_bwd alone has no autograd and would count as a constant (second
+    derivatives off by their whole size, with no error); once_differentiable refuses them in plain autograd
+    only (torch.func.grad of grad gave 0)."""
+
+    generate_vmap_rule = True
+    jvp = staticmethod(_no_forward_derivative)
+
+    @staticmethod
+    def forward(*inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return attn_bwd(*inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        pass  # (its backward only refuses)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple:
+        raise RuntimeError(
+            "flash_attention's gradients have no derivative: its backward kernels cannot be differentiated "
+            "again (a second backward after create_graph=True, torch.func.grad of grad); for higher "
+            "derivatives use scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH)"
+        )
+
+
 def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-    return _gradients(ctx, grad_out, grad_lse, attn_bwd)
+    """attn_fwd's backward through the ops: attn_bwd, or _GradientsOnce where a graph of the gradients is
+    built."""
+    return _gradients(ctx, grad_out, grad_lse, _GradientsOnce.apply if torch.is_grad_enabled() else attn_bwd)
 
 
 attn_fwd = _operator("attn_fwd", attention_forward, _attn_fwd_fake)
@@ -250,6 +291,8 @@ torch.library.register_autograd("flashattn_triton::attn_fwd", _backward, setup_c
 class _EagerAttention(torch.autograd.Function):
     """attn_fwd and its autograd, without the dispatcher (see the module docstring)."""
 
+    jvp = staticmethod(_no_forward_derivative)
+
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor]:
         output = attention_forward(*inputs)
@@ -258,21 +301,41 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-        # once_differentiable only under create_graph=True, where the gradients must refuse a second
-        # differentiation; elsewhere its wrapper is host time (decisions.md#once-differentiable).
-        gradients = _eager_gradients_once if torch.is_grad_enabled() else _eager_gradients
-        return gradients(ctx, grad_out, grad_lse)
+        # Through the op only where a graph of the gradients is built; elsewhere the dispatcher (and
+        # _GradientsOnce's wrapper) is host time (decisions.md#once-differentiable).
+        backward = _GradientsOnce.apply if torch.is_grad_enabled() else attention_backward
+        return _gradients(ctx, grad_out, grad_lse, backward)
 
 
-def _eager_gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-    return _gradients(ctx, grad_out, grad_lse, attention_backward)
+class _TransformedAttention(torch.autograd.Function):
+    """attn_fwd and its autograd for torch.func's transforms (grad, vjp, jacrev, vmap) and forward-mode
+    AD, which the op's own autograd (register_autograd's) does not serve: the transforms refuse it (it
+    "must override the setup_context staticmethod") and forward-mode AD passed it by (zero tangents).
+    vmap runs the op per sample (its batching fallback); forward-mode AD raises."""
+
+    generate_vmap_rule = True
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+    jvp = staticmethod(_no_forward_derivative)
+
+    @staticmethod
+    def forward(*inputs: Any) -> tuple[Tensor, Tensor]:
+        return attn_fwd(*inputs)
 
 
-_eager_gradients_once = torch.autograd.function.once_differentiable(_eager_gradients)
+def _transformed() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active (not while compiling, where the
+    op is traced)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
 
 
 def eager_attention(*inputs: Any) -> tuple[Tensor, Tensor]:
-    """attn_fwd(*inputs) with its autograd: through the op, or where _plain_eager, without the dispatcher."""
+    """attn_fwd(*inputs) with its autograd: through the op, where _plain_eager without the dispatcher,
+    under a torch.func transform or forward-mode AD through _TransformedAttention."""
+    if _transformed():
+        return _TransformedAttention.apply(*inputs)
     if _launcher.plain_eager(inputs[0]):
         return _EagerAttention.apply(*inputs)
     return attn_fwd(*inputs)
