@@ -291,8 +291,6 @@ torch.library.register_autograd("flashattn_triton::attn_fwd", _backward, setup_c
 class _EagerAttention(torch.autograd.Function):
     """attn_fwd and its autograd, without the dispatcher (see the module docstring)."""
 
-    jvp = staticmethod(_no_forward_derivative)
-
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor]:
         output = attention_forward(*inputs)
