@@ -113,6 +113,7 @@ class DataParallel(nn.Module, Joinable):
     # --- training ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._reducer.settle_last_round()
         averaged = torch.is_grad_enabled() and self._sync_enabled
         if averaged:
             self._reducer.prepare_for_backward()
