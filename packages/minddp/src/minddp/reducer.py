@@ -238,7 +238,14 @@ class Reducer:
         """Start averaging ``flat``: the registered communication hook, or an all-reduce of the mean."""
         if self.comm_hook is not None:
             is_last = bucket.index == len(self.buckets) - 1
-            return self.comm_hook(self.comm_hook_state, bucket.for_hook(flat, is_last))
+            future = self.comm_hook(self.comm_hook_state, bucket.for_hook(flat, is_last))
+            if not future.done():
+                # A hook may chain collectives on its future (PowerSGD's run in its callbacks). NCCL
+                # completes futures at launch, so those run here, in order; gloo completes them on its own
+                # threads, where they would race with this thread's next collective, in a different order
+                # on each rank.
+                future.wait()
+            return future
         if self.divisor == 1:
             # The sum is the average. NCCL's AVG would still run a scaling kernel over the bucket on its
             # own stream, while an in-place SUM over one rank launches nothing at all.
