@@ -141,6 +141,20 @@ class DataParallel(nn.Module, Joinable):
                     tensor.register_hook(self._queue_finish)
         return output
 
+    def _apply(self, fn: Any, recurse: bool = True) -> DataParallel:
+        """``.to()``, ``.double()``, ``.cuda()``...: refused, before any tensor changes, where it would change
+        the dtype or device of a parameter or buffer (their buckets and checks were made for those)."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        for tensor in {(t.dtype, t.device): t for t in tensors}.values():
+            probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+            if (probe.dtype, probe.device) != (tensor.dtype, tensor.device):
+                raise RuntimeError(
+                    f"{type(self).__name__}: this would turn {tensor.dtype} tensors on {tensor.device} into "
+                    f"{probe.dtype} on {probe.device} after wrapping, but the gradient buckets were laid out "
+                    "for the model as it was wrapped. Wrap after .to(): convert the model first, then wrap "
+                    f"it, as with torch DDP: {type(self).__name__}(model.to(...))")
+        return super()._apply(fn, recurse)
+
     @property
     def bucket_names(self) -> list[list[str]]:
         """The parameter names of each bucket, in launch order."""
@@ -301,9 +315,11 @@ def bucket_limits(bucket_size_mb: float | None, argument: str, default: bool) ->
     whole bytes, after a first bucket of 1 MiB where the size is the ``default``; ``None``: one bucket."""
     if bucket_size_mb is None:
         return (math.inf,)
+    # 1e308 MiB is a finite size whose bytes are not: that too is refused here, not by int().
     if isinstance(bucket_size_mb, bool) or not (isinstance(bucket_size_mb, (int, float))
-                                                and 0 <= bucket_size_mb < math.inf):
-        raise ValueError(f"{argument} must be a non-negative number of MiB or None, got {bucket_size_mb!r}")
+                                                and 0 <= float(bucket_size_mb) * MiB < math.inf):
+        raise ValueError(f"{argument} must be a non-negative number of MiB whose bytes are finite (or None "
+                         f"for one bucket), got {bucket_size_mb!r}")
     cap = int(bucket_size_mb * MiB)
     return (min(cap, FIRST_BUCKET_BYTES), cap) if default else (cap,)
 

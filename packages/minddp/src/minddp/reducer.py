@@ -239,6 +239,12 @@ class Reducer:
         if self.comm_hook is not None:
             is_last = bucket.index == len(self.buckets) - 1
             future = self.comm_hook(self.comm_hook_state, bucket.for_hook(flat, is_last))
+            if not isinstance(future, torch.futures.Future):
+                raise TypeError(
+                    f"the communication hook {_name_of(self.comm_hook)} returned a {type(future).__name__} "
+                    f"for bucket {bucket.index}; a hook must return a torch.futures.Future of the reduced "
+                    "flat tensor, e.g. dist.all_reduce(buffer, async_op=True).get_future(), or a future made "
+                    "with torch.futures.Future() and set_result(tensor)")
             if not future.done():
                 # A hook may chain collectives on its future (PowerSGD's run in its callbacks). NCCL
                 # completes futures at launch, so those run here, in order; gloo completes them on its own
@@ -271,6 +277,10 @@ class Reducer:
 _SKIP_ADVICE = ("Catch it on every rank and skip the optimizer step, as the rank(s) that raised first "
                 "did; the next step works. To skip a batch on one rank, skip its forward as well, or give "
                 "that rank zero loss.")
+
+
+def _name_of(hook: CommHook) -> str:
+    return getattr(hook, "__qualname__", None) or repr(hook)
 
 
 def _ranks(ranks: set[int]) -> str:
