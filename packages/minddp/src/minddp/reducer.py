@@ -239,7 +239,7 @@ class Reducer:
         if self.comm_hook is not None:
             is_last = bucket.index == len(self.buckets) - 1
             future = self.comm_hook(self.comm_hook_state, bucket.for_hook(flat, is_last))
-            if not isinstance(future, torch.futures.Future):
+            if not isinstance(future, torch._C.Future):  # what torch.futures.Future and get_future() share
                 raise TypeError(
                     f"the communication hook {_name_of(self.comm_hook)} returned a {type(future).__name__} "
                     f"for bucket {bucket.index}; a hook must return a torch.futures.Future of the reduced "
