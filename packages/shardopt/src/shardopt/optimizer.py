@@ -6,6 +6,7 @@ import copy
 import heapq
 import inspect
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any
@@ -68,6 +69,35 @@ class StateOnRank(dict):
 
     def __reduce__(self) -> tuple[type[StateOnRank], tuple[int]]:
         return StateOnRank, (self.rank,)
+
+
+class _ShardState(defaultdict):
+    """The optimizer state (parameter -> its state) of the parameters this rank owns.
+
+    The local optimizer's ``state``, and the ShardedOptimizer's. A parameter another rank owns
+    raises a KeyError naming that rank, where a plain defaultdict would hand out an empty dict (so
+    that ``state[p]["exp_avg"]`` raised a bare KeyError on some ranks only). Its truth value says
+    whether the optimizer as a whole holds state, alike on every rank: ``torch.distributed.checkpoint``
+    initializes the state of an optimizer whose ``state`` is empty by stepping it, and a step must
+    run on every rank or on none (a rank that owns only frozen parameters never holds any).
+    """
+
+    owners: dict[torch.Tensor, tuple[int, int]] = {}  # noqa: RUF012 (set per instance) parameter -> (index, owner)
+    rank = 0
+    held_anywhere = False
+
+    def __missing__(self, param: Any) -> dict[str, Any]:
+        index, owner = self.owners.get(param, (None, self.rank))
+        if owner != self.rank:
+            raise KeyError(
+                f"state: parameter {index} (shape {tuple(param.shape)}) is owned by rank {owner} of "
+                f"process_group, which holds its optimizer state; this is rank {self.rank}. Read it on "
+                f"rank {owner}, or call consolidate_state_dict(to=r) on every rank and read state_dict() "
+                "on rank r")
+        return super().__missing__(param)
+
+    def __bool__(self) -> bool:
+        return self.held_anywhere or len(self) > 0
 
 
 class _ShardForCheckpoint(dict):
@@ -165,6 +195,7 @@ class ShardedOptimizer(Optimizer):
         self._push_hyperparameters()
         loss = self.local_optimizer.step(closure, **kwargs) if closure is not None \
             else self.local_optimizer.step(**kwargs)
+        self.state.held_anywhere = True  # on every rank: the owners of trainable parameters hold state now
         overlap = self._overlap_with is not None
         self._pending = [all_gather_single(flat, flat.narrow(0, self.rank * shard_numel, shard_numel),
                                            group=self.process_group, async_op=overlap)
@@ -261,7 +292,7 @@ class ShardedOptimizer(Optimizer):
         assert local_state_dict is not None
         self._consolidated = None
         self.local_optimizer.load_state_dict(local_state_dict)
-        self.state = self.local_optimizer.state
+        self._install_state(self.local_optimizer, self.local_optimizer.state)
         for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             for key in [k for k in group if k not in _GROUP_MEMBERS]:
                 del group[key]
@@ -423,15 +454,26 @@ class ShardedOptimizer(Optimizer):
             local_groups.append(local_group)
             start += len(group["params"])
         optimizer = self.optimizer_cls(local_groups, **self._optimizer_kwargs)
-        for index, state in states.items():
-            optimizer.state[params[index]] = state
         self._local_optimizer = optimizer
-        self.state = optimizer.state
+        self._install_state(optimizer, {**optimizer.state, **{params[i]: s for i, s in states.items()}})
         self.defaults = {**optimizer.defaults, **self.defaults}
         # Show the optimizer's own defaults (betas, eps, ...) in our groups, as optimizer_cls would.
         for group, local in zip(self.param_groups, optimizer.param_groups, strict=True):
             for key, value in _hyperparameters(local).items():
                 group.setdefault(key, value)
+
+    def _install_state(self, optimizer: Optimizer, entries: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Make ``entries`` the state of ``optimizer`` and of this ShardedOptimizer (a :class:`_ShardState`).
+
+        Every rank calls it (construction, add_param_group, load_state_dict): one object all-gather
+        agrees on whether some rank holds state.
+        """
+        state = _ShardState(dict, entries)
+        state.owners = {p: (i, owner) for i, (p, owner) in
+                        enumerate(zip(self._params(), self._owners, strict=True))}
+        state.rank = self.rank
+        state.held_anywhere = any(all_gather_objects(len(state) > 0, self.process_group, self.device))
+        optimizer.state = self.state = state
 
     def _push_hyperparameters(self) -> None:
         """Carry hyperparameter changes made on our groups (LR schedulers, users) to the local optimizer."""
