@@ -54,9 +54,9 @@ class DataParallel(nn.Module, Joinable):
         broadcast_buffers: copy rank 0's buffers to every rank at construction and at the start
             of every forward whose backward is averaged (BatchNorm statistics stay in step).
         find_unused_parameters: ``False``: every trainable parameter gets a gradient in every
-            averaged backward (no collective beyond the gradients'). ``True``: a parameter without
-            a gradient on some rank counts as zero there, and one no rank has a gradient for
-            keeps ``grad=None`` (one extra small all-reduce).
+            averaged backward. ``True``: a parameter without a gradient on some rank counts as
+            zero there, and one no rank has a gradient for keeps ``grad=None`` (the counts travel
+            in the step's closing flag all-reduce, see :mod:`minddp.reducer`).
         gradient_as_bucket_view: the ``.grad`` of a bucket's parameters are views of its flat
             buffer (no copy out after averaging); ``False`` copies.
     """
