@@ -85,7 +85,7 @@ class _ShardState(defaultdict):
     run on every rank or on none (a rank that owns only frozen parameters never holds any).
     """
 
-    owners: dict[torch.Tensor, tuple[int, int]] = {}  # noqa: RUF012 (set per instance) parameter -> (index, owner)
+    owners: dict[torch.Tensor, tuple[int, int]] = {}  # parameter -> (index, owner rank), set per instance
     rank = 0
     held_anywhere = False
 
