@@ -6,9 +6,12 @@ whole to a temporary file in its folder and then renamed over the old one, so a 
 crash or a second run writing the same file never leaves a torn file: the old one stays, or the
 last complete one wins.
 
+A table with nothing measured in it (no rows, or cells that all say why they were not measured:
+:data:`NOT_MEASURED`) is never written: the earlier file stays, and the command exits 1.
+
 Arguments are checked by argparse before any work: the ``type=`` helpers below refuse empty
-lists and out-of-range numbers, and :func:`parse_args` makes sure ``--results-dir`` can be
-written. Either failure is one line on stderr and exit status 2.
+lists, out-of-range numbers and file names that are not one, and :func:`parse_args` makes sure
+``--results-dir`` can be written. Either failure is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ T = TypeVar("T")
 OOM = "OOM"
 UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
 NOISE = "(noise)"  # a derived cell whose inputs differ by less than their spread: "~0 (noise)"
+# Cells that say why a measurement was not made. OOM is not one of them: it is what the attempt found.
+NOT_AVAILABLE = "unsupported"  # not "n/a": pandas reads that back as NaN
+SKIPPED = "skipped"
+CAPTURE_FAILED = "capture failed"
+NOT_MEASURED = (NOT_AVAILABLE, SKIPPED, CAPTURE_FAILED)
 
 
 def device() -> torch.device:
@@ -134,6 +142,30 @@ class ResultsNotSaved(SystemExit):
         self.path = path
 
 
+class NothingMeasured(SystemExit):
+    """A table with nothing measured in it was not written; the earlier file is left as it was. Exits 1."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"error: nothing was measured (no rows, or only cells reading "
+                         f"{', '.join(NOT_MEASURED)}): {path} not written; the earlier file, if any, "
+                         "is unchanged")
+        self.path = path
+
+
+def measured_nothing(df: pd.DataFrame) -> bool:
+    """Whether a table holds no measurement: no rows, or columns of :data:`NOT_MEASURED` cells (and blanks)
+    with not one value among them. Tables without such cells (configurations and numbers) hold one."""
+    if df.empty:
+        return True
+    cells = df.astype(object)
+    unmade = cells.isin(NOT_MEASURED)
+    examined = unmade.any()  # the columns that say "not measured" somewhere: the measurements' columns
+    if not examined.any():
+        return False
+    blank = cells.isna() | cells.eq("")
+    return bool((unmade | blank).loc[:, examined].all().all())
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace path by a file holding text, or leave it as it was: never a part-written path.
 
@@ -177,13 +209,16 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
     Both files are written atomically (:func:`write_atomically`), and neither replaces its old
     one until both are complete on the disk. If either cannot be written (a full disk, say),
     :class:`ResultsNotSaved` exits the command with status 1 and a one-line message, leaving the
-    earlier files whole.
+    earlier files whole; a table with nothing measured (:func:`measured_nothing`) is not written
+    either, and :class:`NothingMeasured` exits 1 likewise.
     """
     if args.no_save:
         return None
     meta = {**run_metadata(args.command), **(metadata or {})}
     folder = Path(args.results_dir) / device_slug(meta["device"])
     csv_path = folder / f"{name}.csv"
+    if measured_nothing(df):
+        raise NothingMeasured(csv_path)
     csv_text = io.StringIO()
     for key, value in meta.items():
         csv_text.write(f"# {key}: {value}\n")
@@ -434,6 +469,15 @@ def float_list(text: str) -> list[float]:
     if bad:
         raise argparse.ArgumentTypeError(f"every value must be at least 0, got {', '.join(map(str, bad))}")
     return values
+
+
+def results_name(text: str) -> str:
+    """argparse type for a results file's name (``--name``): letters, digits, '.', '_' and '-', not starting
+    with '.' (no path, no hidden file, never empty: '' would fall back to the default name and replace it)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", text):
+        raise argparse.ArgumentTypeError("expected a file name of letters, digits, '.', '_' and '-' "
+                                         f"(no folder, not starting with '.'), got {text!r}")
+    return text
 
 
 def str_list(choices: Iterable[str]) -> Callable[[str], list[str]]:

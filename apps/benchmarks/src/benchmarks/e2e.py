@@ -49,6 +49,7 @@ from benchmarks.common import (
     positive_int,
     print_table,
     progress,
+    results_name,
     save_results,
     str_list,
 )
@@ -278,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA only: record the allocator history of fresh steps to FILE (a pickle), "
                              "draw FILE with suffix .png and save the per-phase peak table")
     parser.add_argument("--memory-steps", type=positive_int, default=3, help="steps recorded by --memory")
-    parser.add_argument("--name", default=None, help="results file name (default: e2e_<mode>)")
+    parser.add_argument("--name", type=results_name, default=None,
+                        help="results file name (default: e2e_<mode>)")
     return parser
 
 

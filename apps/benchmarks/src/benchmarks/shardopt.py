@@ -274,7 +274,8 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 "context_length": str(args.context_length), "ddp": args.ddp, "backend": args.backend,
                 "memory_accounting": ACCOUNTING[on_cuda]}
     for name, df in results.items():
-        save_results(df, f"shardopt_{name}", args, metadata)
+        if not df.empty:  # no goal without both sides of a criterion: the earlier goal file stays
+            save_results(df, f"shardopt_{name}", args, metadata)
 
 
 def main(argv: list[str] | None = None) -> None:

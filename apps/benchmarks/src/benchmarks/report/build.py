@@ -9,7 +9,15 @@ import traceback
 from pathlib import Path
 
 from benchmarks.common import console, make_parser, parse_args, write_atomically
-from benchmarks.report.core import Context, ResultFile, Section, choose_device, load_results, render_tables
+from benchmarks.report.core import (
+    RESULTS_GLOB,
+    Context,
+    ResultFile,
+    Section,
+    choose_device,
+    load_results,
+    render_tables,
+)
 from benchmarks.report.registry import SECTIONS
 
 
@@ -123,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/report.md"),
                         help="the report; plots are written beside it")
     args = parse_args(parser, argv, writes_results=False)
-    unreadable: list[str] = []
+    # A report from no results reads "not measured yet" throughout: never let it replace a real one.
     if not args.results_dir.is_dir():
-        console.print(f"[yellow]--results-dir {args.results_dir} does not exist: every section will say "
-                      "'not measured yet'[/yellow]")
+        parser.error(f"--results-dir {args.results_dir}: no such folder")
+    if not any(args.results_dir.glob(RESULTS_GLOB)):
+        parser.error(f"--results-dir {args.results_dir}: no results files (<device>/<name>.csv) in it")
+    unreadable: list[str] = []
     if args.no_save:  # build it where it harms nothing, show the text
         with tempfile.TemporaryDirectory() as scratch:
             path, _ = build_report(args.results_dir, Path(scratch) / args.out.name, unreadable)
