@@ -2,9 +2,13 @@
 
 import argparse
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from benchmarks import common
 from benchmarks.common import CAPTURE_FAILED, NOT_AVAILABLE, OOM, SKIPPED, NothingMeasured, save_results
@@ -52,7 +56,7 @@ def test_an_argument_that_would_replace_a_table_with_nothing_is_refused(tmp_path
     save_results(pd.DataFrame({"T": [64], "fwd ms": [1.5]}), default, saver(tmp_path), {"device": "cpu"})
     before = files_in(tmp_path)
     module = importlib.import_module(f"benchmarks.{experiment}")
-    err = refused(capsys, lambda: module.main([*argv, *SMALL[experiment], "--results-dir", str(tmp_path)]))
+    err = refused(capsys, lambda: module.main([*SMALL[experiment], *argv, "--results-dir", str(tmp_path)]))
     assert err.startswith(f"python -m benchmarks.{experiment}: error: {message}")
     assert files_in(tmp_path) == before
 
@@ -119,3 +123,90 @@ def test_a_flash_run_that_timed_nothing_keeps_the_old_table(tmp_path, capsys):
         flash.main(["--max-minutes", "1e-12", *SMALL["flash"], "--results-dir", str(tmp_path)])
     assert exit_.value.code.startswith("error: nothing was measured") and exit_.value.path == path
     assert files_in(tmp_path) == before
+
+
+# --- unclear errors: one line, exit 2, before any work ---------------------------------------------------
+
+BEFORE_ANY_WORK = [
+    ("shardopt", ["--lr", "nan"], "argument --lr: expected a finite number, got 'nan'"),
+    ("shardopt", ["--lr", "inf"], "argument --lr: expected a finite number, got 'inf'"),
+    ("shardopt", ["--lr", "0"], "argument --lr: must be above 0, got 0"),
+    ("e2e", ["--compile", "--compile-backend", "nope"],
+     "argument --compile-backend: 'nope' is not a torch.compile backend (torch._dynamo.list_backends(): "),
+    ("attention", ["--compile-backend", "nope"], "argument --compile-backend: 'nope' is not a torch.compile"),
+    ("e2e", ["--memory", "{tmp}"], "--memory {tmp}: is a folder; name a file"),
+    ("report", ["--out", "{tmp}"], "--out {tmp}: is a folder; name a file"),
+    ("report", ["--out", "{tmp}/a-file/report.md"], "--out {tmp}/a-file/report.md: cannot write there"),
+]
+if not torch.cuda.is_available():  # the message a machine without CUDA gives
+    BEFORE_ANY_WORK.append(("flash", ["--device", "cuda"],
+                            "--device cuda needs a CUDA GPU; this machine has 0"))
+
+
+@pytest.mark.parametrize(("experiment", "argv", "message"), BEFORE_ANY_WORK,
+                         ids=[f"{e} {' '.join(a)}" for e, a, _ in BEFORE_ANY_WORK])
+def test_a_bad_argument_is_one_line_before_any_work(tmp_path, capsys, experiment, argv, message):
+    """Each of these was a traceback: after the model was built, or from the workers (--lr nan, after its
+    spawn), or after the whole report was built (--out), leaving a temporary file."""
+    results = tmp_path / "results"
+    save_results(sweep([1.25]), "flash", saver(results), {"device": "cpu"})
+    (tmp_path / "a-file").write_text("not a folder")
+    before = files_in(tmp_path)
+    module = importlib.import_module(f"benchmarks.{experiment}")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in [*SMALL.get(experiment, []), *argv]]  # argv wins
+    err = refused(capsys, lambda: module.main([*argv, "--results-dir", str(results)]))
+    message = message.replace("{tmp}", str(tmp_path))
+    assert err.startswith(f"python -m benchmarks.{experiment}: error: {message}")
+    assert files_in(tmp_path) == before  # no temporary file, no plot, no table
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "report.md").mkdir()
+    with pytest.raises(IsADirectoryError):
+        common.write_atomically(tmp_path / "report.md", "text")
+    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
+
+
+def test_the_host_running_out_of_memory_is_an_oom_cell_as_a_gpu_is():
+    too_big = 2**62  # bytes: past any address space, so it fails at once everywhere
+    assert common.or_oom(lambda: torch.empty(too_big, dtype=torch.uint8)) == OOM
+    assert common.or_oom(lambda: bytearray(too_big)) == OOM  # Python's MemoryError
+    assert common.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 EiB"))
+
+    def another_error():
+        raise RuntimeError("expected a tensor")
+
+    with pytest.raises(RuntimeError, match="expected a tensor"):  # still raised, not a cell
+        common.or_oom(another_error)
+
+
+def test_e2e_on_a_host_out_of_memory_writes_an_oom_row(tmp_path):
+    """A model too big for the host's memory was a traceback on CPU where on a GPU it is an OOM row."""
+    e2e = importlib.import_module("benchmarks.e2e")
+    e2e.main([*SMALL["e2e"], "--vocab-size", str(10**13), "--results-dir", str(tmp_path)])
+    df, _ = common.read_results(tmp_path / common.device_slug() / "e2e_train.csv")
+    assert df["step ms"].tolist() == [OOM]
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def flash_table(ms):
+    return pd.DataFrame({"batch*heads": [16], "T": [1024], "d": [64], "dtype": ["bfloat16"], "causal": [True],
+                         "impl": ["triton"], "fwd ms": [ms], "bwd ms": [ms], "fwd+bwd ms": [ms]})
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("flash_regression.py", ["{old}", "{new}", "--bound", "nan"],
+     "argument --bound: expected a finite number, got 'nan'"),
+    ("ddp_profile.py", ["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+])
+def test_the_scripts_check_their_numbers_too(tmp_path, script, argv, message):
+    """flash_regression --bound nan passed every cell (nothing compares above NaN), a 2x regression too."""
+    old, new = (save_results(flash_table(ms), name, saver(tmp_path), {"device": "cpu"})
+                for name, ms in (("old", 1.0), ("new", 2.0)))
+    argv = [a.replace("{old}", str(old)).replace("{new}", str(new)) for a in argv]
+    done = subprocess.run([sys.executable, str(SCRIPTS / script), *argv], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert message in done.stderr

@@ -59,6 +59,7 @@ from benchmarks.common import (
     positive_int,
     print_table,
     progress,
+    require_gpus,
     results_name,
     save_results,
     str_list,
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help=f"time flash_attention's features against PyTorch's best instead of the sweep "
                         f"({', '.join(FEATURES)}; bfloat16 unless --dtypes says otherwise)")
     args = parse_args(parser, argv)
+    if args.device == "cuda":
+        require_gpus(parser, 1)
     dev = torch.device(args.device) if args.device else device()
     if args.cuda_graphs and dev.type != "cuda":
         parser.error(f"--cuda-graphs captures CUDA graphs and needs a CUDA device, not {dev.type}")

@@ -8,7 +8,14 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from benchmarks.common import console, make_parser, parse_args, write_atomically
+from benchmarks.common import (
+    ResultsNotSaved,
+    check_writable,
+    console,
+    make_parser,
+    parse_args,
+    write_atomically,
+)
 from benchmarks.report.core import (
     RESULTS_GLOB,
     Context,
@@ -106,7 +113,10 @@ def build_report(results_dir: Path, out: Path,
     if skipped:
         header += ["**Not read**: these files do not parse as results files (cut short or torn), so nothing "
                    "below comes from them; measure them again:", "", *(f"- `{s}`" for s in skipped), ""]
-    write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    try:
+        write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    except OSError as exc:
+        raise ResultsNotSaved(out, exc) from exc
     if unreadable is not None:
         unreadable += skipped
     return out, plots
@@ -136,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--results-dir {args.results_dir}: no such folder")
     if not any(args.results_dir.glob(RESULTS_GLOB)):
         parser.error(f"--results-dir {args.results_dir}: no results files (<device>/<name>.csv) in it")
+    if not args.no_save:
+        check_writable(parser, "--out", args.out)
     unreadable: list[str] = []
     if args.no_save:  # build it where it harms nothing, show the text
         with tempfile.TemporaryDirectory() as scratch:
