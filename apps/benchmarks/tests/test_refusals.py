@@ -125,6 +125,15 @@ def test_a_flash_run_that_timed_nothing_keeps_the_old_table(tmp_path, capsys):
     assert files_in(tmp_path) == before
 
 
+def test_an_experiment_that_measured_nothing_ends_itself_not_the_tour(tmp_path, monkeypatch):
+    flash = importlib.import_module("benchmarks.flash")
+    monkeypatch.setattr(flash, "TOUR_ARGS", [*SMALL["flash"], "--max-minutes", "1e-12"])
+    tour = importlib.import_module("benchmarks.tour")
+    assert tour.main(["--only", "flash,precision", "--results-dir", str(tmp_path)]) == 1
+    written = {p.name for p in (tmp_path / common.device_slug()).iterdir()}
+    assert written == {f"precision_{t}.{ext}" for t in ("accumulation", "autocast") for ext in ("csv", "md")}
+
+
 # --- unclear errors: one line, exit 2, before any work ---------------------------------------------------
 
 BEFORE_ANY_WORK = [
