@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import profkit
-from profkit.comm import analyze_comm, bus_factor, canonical_collective, dtype_bytes
+from profkit.comm import analyze_comm, bus_factor, canonical_collective, dtype_bytes, read_timeline
 
 
 def cpu_rank(op, rank, gloo_start_ms, extra=()):
@@ -98,6 +98,32 @@ def test_cuda_kernels_and_clock_bases(chrome_event):
     (c,) = report.collectives
     assert c.name == "all_reduce" and c.group == "0" and c.nbytes == 4e6
     assert c.busbw == pytest.approx(4e6 / 5e-3 * 1.0)
+
+
+def test_nccl_kernels_without_metadata_take_record_param_comms_by_external_id(chrome_event):
+    op = chrome_event
+    meta = {
+        "Collective name": "_allgather_base",
+        "In msg nelems": 1000,
+        "Out msg nelems": 2000,
+        "dtype": "BFloat16",
+        "Group size": 2,
+        "Process Group Name": "1",
+        "External id": 7,
+    }
+    document = {
+        "profkit": {"rank": 0, "world_size": 2, "steps": 1},
+        "traceEvents": [
+            op("record_param_comms", 0, 0.1, **meta),
+            op("ncclDevKernel_AllGather_RING_LL", 1, 3, tid=8, cat="kernel", **{"External id": 7}),
+            op(
+                "ncclDevKernel_AllGather_RING_LL", 4, 5, tid=8, cat="kernel", **{"External id": 99}
+            ),  # no match
+        ],
+    }
+    first, second = read_timeline(document).collectives
+    assert (first.name, first.group, first.nbytes, first.group_size) == ("all_gather", "1", 4000, 2)
+    assert second.name == "all_gather" and second.group == "default" and math.isnan(second.nbytes)
 
 
 def test_collectives_only_one_rank_holds_are_left_out_of_the_waits(chrome_event):

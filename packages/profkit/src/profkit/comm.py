@@ -228,7 +228,7 @@ def read_timeline(
     events = _events(document)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if kernels:
-        calls, compute = _cuda_parts(kernels, world, offset_ns)
+        calls, compute = _cuda_parts(kernels, _comms_metadata(events), world, offset_ns)
         device = "cuda"
     else:
         calls, compute = _cpu_parts(events, world, offset_ns)
@@ -247,14 +247,25 @@ def _is_comm_kernel(event: Mapping[str, Any]) -> bool:
     return "Collective name" in event.get("args", {}) or bool(_NCCL_KERNEL.match(str(event.get("name", ""))))
 
 
+def _comms_metadata(events: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    """record_param_comms' args by "External id", for NCCL kernels whose own args lack them."""
+    return {
+        e["args"]["External id"]: e["args"]
+        for e in events
+        if e.get("name") == "record_param_comms" and "External id" in e.get("args", {})
+    }
+
+
 def _cuda_parts(
-    kernels: list[dict[str, Any]], world: int, offset_ns: float
+    kernels: list[dict[str, Any]], metadata: dict[Any, dict[str, Any]], world: int, offset_ns: float
 ) -> tuple[list[CollectiveCall], list[Interval]]:
     calls, compute = [], []
     for kernel in kernels:
         interval = _interval(kernel, offset_ns)
         if _is_comm_kernel(kernel):
-            calls.append(_call_from_args(str(kernel["name"]), kernel.get("args", {}), interval, world))
+            args = kernel.get("args", {})
+            args = {**metadata.get(args.get("External id"), {}), **args}
+            calls.append(_call_from_args(str(kernel["name"]), args, interval, world))
         else:
             compute.append(interval)
     return calls, compute
