@@ -13,7 +13,8 @@ MB = 1e6
 
 
 def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
-    main(["--results-dir", str(tmp_path), "--warmup", "0", "--iters", "1", "--timeout", "60"])
+    main(["--results-dir", str(tmp_path), "--warmup", "0", "--iters", "1", "--trace-steps", "1",
+          "--timeout", "60"])
     memory, meta = read_results(tmp_path / "cpu" / "shardopt_memory.csv")
     assert meta["world_size"] == "2" and meta["model"] == "tiny" and "CPU" in meta["memory_accounting"]
     assert "peak_MB" not in memory.columns  # no allocator peak on CPU, so no made-up column
