@@ -65,14 +65,8 @@ def test_cpu_traces_with_known_answers(chrome_event):
 
 def test_cuda_kernels_and_clock_bases(chrome_event):
     op = chrome_event
-    nccl = {
-        "Collective name": "allreduce",
-        "In msg nelems": 1_000_000,
-        "Out msg nelems": 1_000_000,
-        "dtype": "Float",
-        "Group size": 2,
-        "Process Group Name": "0",
-    }
+    nccl = {"Collective name": "allreduce", "In msg nelems": 1_000_000, "Out msg nelems": 1_000_000,
+            "dtype": "Float", "Group size": 2, "Process Group Name": "0"}
 
     def rank(r, nccl_start_ms, base_ns):
         return {
@@ -102,15 +96,8 @@ def test_cuda_kernels_and_clock_bases(chrome_event):
 
 def test_nccl_kernels_without_metadata_take_record_param_comms_by_external_id(chrome_event):
     op = chrome_event
-    meta = {
-        "Collective name": "_allgather_base",
-        "In msg nelems": 1000,
-        "Out msg nelems": 2000,
-        "dtype": "BFloat16",
-        "Group size": 2,
-        "Process Group Name": "1",
-        "External id": 7,
-    }
+    meta = {"Collective name": "_allgather_base", "In msg nelems": 1000, "Out msg nelems": 2000,
+            "dtype": "BFloat16", "Group size": 2, "Process Group Name": "1", "External id": 7}
     document = {
         "profkit": {"rank": 0, "world_size": 2, "steps": 1},
         "traceEvents": [
