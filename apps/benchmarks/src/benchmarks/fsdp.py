@@ -19,7 +19,9 @@ dtype); activations (float32: benchmarks.checkpointing's model for naive attenti
 modelled for bf16).
 
 Time per iteration (forward, backward, gradient synchronization, optimizer step), device
-synchronized, mean over --iters, the slowest rank's.
+synchronized, mean over --iters, the slowest rank's. Communication per iteration, the part of it
+no compute runs beside (exposed) and the overlap %, from --trace-steps more iterations traced on
+every rank (benchmarks.overlap).
 
 Runs on the GPUs (NCCL) when there is one per worker (small model), else on 2 CPU processes
 (gloo, tiny model). Spawns its workers itself (minddp.launch), or runs under torchrun:
@@ -49,7 +51,6 @@ from benchmarks.common import (
     console,
     device_name,
     free_device_memory,
-    held_bytes,
     make_parser,
     nonnegative_int,
     parse_args,
@@ -60,16 +61,18 @@ from benchmarks.common import (
     str_list,
 )
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
+from benchmarks.overlap import trace_comm
 from minddp import FSDP, BucketedDDP
 from minddp.launch import launch, tensor_device, under_torchrun
-from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
+from profkit import PhaseClock, memory_breakdown, read_peak_memory, reset_peak_memory, run_steps
 from profkit.timing import total_mean
 
-TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1"]
+TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1", "--trace-steps", "1"]
 MB = 1e6
 STRATEGIES = ["torch-ddp", "minddp-bucketed", "torch-fsdp2", "minddp-fsdp"]
 COMPUTE = {"fp32": None, "bf16": torch.bfloat16}
 SHARDED = {"torch-fsdp2", "minddp-fsdp"}
+TRACED = {"comm ms": "comm_ms", "exposed comm ms": "exposed_comm_ms", "overlap %": "overlap_pct"}
 
 
 def wrap(strategy: str, model: TransformerLM, compute: torch.dtype | None, where: torch.device) -> nn.Module:
@@ -125,11 +128,8 @@ class Workload:
             self.optimizer.step()
 
     def held(self) -> dict[str, float]:
-        params = list(self.wrapped.parameters())
-        state = (t for s in self.optimizer.state.values() for t in s.values())
-        return {"parameters": held_bytes(params, self.where),
-                "gradients": held_bytes((p.grad for p in params), self.where),
-                "optimizer state": held_bytes(state, self.where)}
+        held = memory_breakdown(model=self.wrapped, optimizer=self.optimizer).bytes
+        return {name: held[name] for name in ("parameters", "gradients", "optimizer state")}
 
 
 def measure(strategy: str, compute: str, cfg: ModelConfig, args: argparse.Namespace, where: torch.device,
@@ -138,12 +138,14 @@ def measure(strategy: str, compute: str, cfg: ModelConfig, args: argparse.Namesp
     work = Workload(strategy, compute, cfg, args, where, rank)
     clock = PhaseClock(where)
     run_steps(work.step, args.warmup, args.iters, clock)
+    traced = args.trace_steps > 0
+    comm = trace_comm(work.step, f"{strategy} {compute}", args.trace_steps, args.trace_dir) if traced else {}
     reset_peak_memory(where)
     work.forward_backward()
     work.optimizer.step()
     peak = read_peak_memory(where)
     record = {**work.held(), "peak": float(peak.allocated) if peak else math.nan,
-              "iteration_s": total_mean(clock.timings())}
+              "iteration_s": total_mean(clock.timings()), "comm": comm}
     del work
     free_device_memory()
     return record
@@ -187,6 +189,8 @@ def tables(per_rank: list[dict[tuple[str, str], dict[str, Any]]], cfg: ModelConf
                "model_optimizer_MB": predicted["optimizer state"] / MB,
                "model_gathered_MB": predicted["gathered"] / MB,
                "model_activations_MB": predicted["activations"] / MB}
+        comm = per_rank[0][key].get("comm", {})
+        row |= {column: comm.get(name, math.nan) for name, column in TRACED.items()}
         if on_cuda:
             held = worst["parameters"] + worst["gradients"] + worst["optimizer state"]
             row |= {"peak_MB": worst["peak"] / MB, "other_MB": (worst["peak"] - held) / MB}
@@ -234,6 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="naive",
                         help="attention function (the activation model covers naive)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model; each rank's data adds its rank")
+    parser.add_argument("--trace-steps", type=nonnegative_int, default=2,
+                        help="iterations traced per case for communication and overlap (0: none)")
+    parser.add_argument("--trace-dir", type=str, default=None,
+                        help="keep the traces here (for Perfetto); default: analysed and deleted")
     parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)
