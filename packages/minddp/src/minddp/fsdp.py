@@ -42,18 +42,28 @@ class FSDP(nn.Module):
     calling it directly is the same as calling ``fsdp``.
     """
 
-    def __init__(self, module: nn.Module, *, compute_dtype: torch.dtype | None = None,
-                 process_group: dist.ProcessGroup | None = None,
-                 wrap: Iterable[type[nn.Module]] | None = None,
-                 keep_dtype_modules: Iterable[type[nn.Module]] = ()) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        wrap: Iterable[type[nn.Module]] | None = None,
+        keep_dtype_modules: Iterable[type[nn.Module]] = (),
+    ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("FSDP needs an initialized process group: call torch.distributed."
-                               "init_process_group(...) first (torchrun sets up its environment)")
-        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
-                                              and compute_dtype.is_floating_point):
-            raise ValueError(f"compute_dtype={compute_dtype!r} is not a floating-point torch.dtype "
-                             "(use e.g. torch.bfloat16, or None to compute in the parameters' dtype)")
+            raise RuntimeError(
+                "FSDP needs an initialized process group: call torch.distributed."
+                "init_process_group(...) first (torchrun sets up its environment)"
+            )
+        if compute_dtype is not None and not (
+            isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"compute_dtype={compute_dtype!r} is not a floating-point torch.dtype "
+                "(use e.g. torch.bfloat16, or None to compute in the parameters' dtype)"
+            )
         group = process_group if process_group is not None else dist.group.WORLD
         if dist.get_rank(group) < 0:
             raise ValueError("process_group: this rank is not a member of the given process group")
@@ -64,11 +74,14 @@ class FSDP(nn.Module):
             broadcast_coalesced(tensors, 0, group)
         keep = _module_classes(keep_dtype_modules, "keep_dtype_modules")
         params_dtype = next((p.dtype for p in module.parameters()), None)
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype,
-                                      reduce_dtype=params_dtype if compute_dtype is not None else None)
-        for name, unit in [*_unit_modules(module, wrap).items(), *_kept_modules(module, keep).items()][::-1]:
+        policy = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=params_dtype if compute_dtype is not None else None
+        )
+        for unit in [*_unit_modules(module, wrap).values(), *_kept_modules(module, keep).values()][::-1]:
             if not isinstance(unit, FSDPModule):
-                fully_shard(unit, mesh=mesh, mp_policy=MixedPrecisionPolicy() if isinstance(unit, keep) else policy)
+                fully_shard(
+                    unit, mesh=mesh, mp_policy=MixedPrecisionPolicy() if isinstance(unit, keep) else policy
+                )
         self.module = fully_shard(module, mesh=mesh, mp_policy=policy)
         self.compute_dtype = compute_dtype
         self.process_group = group
@@ -81,18 +94,23 @@ class FSDP(nn.Module):
         reduced onto its shard (a DTensor ``.grad`` on each parameter), so there is nothing to wait for."""
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full value on every rank, keyed by ``module.named_parameters()``'s names (a collective)."""
+        """Every parameter's full value on every rank, keyed by ``module.named_parameters()``'s names.
+
+        A collective: call it on every rank."""
         return {name: _full(param) for name, param in self.module.named_parameters()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """``module.state_dict()`` with every tensor whole, on every rank (a collective); any world size loads it."""
+        """``module.state_dict()`` with every tensor whole, on every rank (a collective).
+
+        :meth:`load_full_state_dict` takes it at any world size."""
         return {key: _full(value) for key, value in self.module.state_dict().items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a :meth:`full_state_dict` saved at any world size; each rank keeps its shard."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.module, state_dict, options=StateDictOptions(full_state_dict=True))
+        # A copy: set_model_state_dict swaps the dict's tensors for their DTensor shards in place.
+        set_model_state_dict(self.module, dict(state_dict), options=StateDictOptions(full_state_dict=True))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """``module.state_dict()``: DTensors for ``torch.distributed.checkpoint`` (which reshards on load)."""
@@ -130,13 +148,18 @@ def _unit_modules(root: nn.Module, wrap: Iterable[type[nn.Module]] | None) -> di
         if m is root or not matches(m) or any(name.startswith(outer + ".") for outer in found):
             continue
         if wrap is not None and not any(True for _ in m.parameters()):
-            raise ValueError(f"wrap: module {name!r} ({type(m).__name__}) has no parameters to shard; "
-                             "leave its class out of wrap")
+            raise ValueError(
+                f"wrap: module {name!r} ({type(m).__name__}) has no parameters to shard; "
+                "leave its class out of wrap"
+            )
         found[name] = m
     return found
 
 
 def _kept_modules(root: nn.Module, classes: tuple[type[nn.Module], ...]) -> dict[str, nn.Module]:
     """The modules of ``classes`` (keep_dtype_modules) that hold parameters of their own."""
-    return {name: m for name, m in root.named_modules()
-            if classes and m is not root and isinstance(m, classes) and m._parameters}
+    return {
+        name: m
+        for name, m in root.named_modules()
+        if classes and m is not root and isinstance(m, classes) and m._parameters
+    }

@@ -1,4 +1,4 @@
-"""The policies ``fully_shard`` takes, with the names and fields of torch's FSDP2 (``torch.distributed.fsdp``).
+"""The policies ``fully_shard`` takes, with torch FSDP2's names and fields (``torch.distributed.fsdp``).
 
 torch's own ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy`` objects are accepted too (:func:`as_mp_policy`,
 :func:`as_offload_policy`), so a script written for FSDP2 keeps its policies when it switches to minddp.
@@ -35,8 +35,10 @@ class MixedPrecisionPolicy:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ValueError(f"MixedPrecisionPolicy: {field}={value!r} is not a floating-point torch.dtype "
-                                 "(use e.g. torch.bfloat16, or None)")
+                raise ValueError(
+                    f"MixedPrecisionPolicy: {field}={value!r} is not a floating-point torch.dtype "
+                    "(use e.g. torch.bfloat16, or None)"
+                )
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def as_mp_policy(policy: Any) -> MixedPrecisionPolicy:
 
 
 def as_offload_policy(policy: Any) -> OffloadPolicy:
-    """minddp's policy for ``policy``: ``None``, minddp's own, or torch's ``OffloadPolicy``/``CPUOffloadPolicy``."""
+    """minddp's policy for ``policy``: None, minddp's own, or torch's OffloadPolicy or CPUOffloadPolicy."""
     if policy is None or isinstance(policy, OffloadPolicy):
         return policy or OffloadPolicy()
     name = type(policy).__name__

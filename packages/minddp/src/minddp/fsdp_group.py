@@ -38,7 +38,9 @@ class ShardedParam:
     local_rows: int
     offset: int  # of its chunk in the flat shard, in elements
     param: nn.Parameter  # the DTensor registered in the module
-    local: torch.Tensor | None = None  # the local tensor the DTensor had when it was pointed at the flat shard
+    local: torch.Tensor | None = (
+        None  # the local tensor the DTensor had when it was pointed at the flat shard
+    )
 
     @property
     def chunk_numel(self) -> int:
@@ -56,36 +58,50 @@ class _State(enum.Enum):
 
 
 class ParamGroup:
-    """The sharded parameters of one unit, their all-gather into full parameters and their gradients' reduction.
+    """The sharded parameters of one unit, their all-gather into full parameters, their gradients' reduction.
 
     ``on_grad_ready(group)`` (held weakly) runs in the backward once the unit's full gradient has
     accumulated.
     """
 
-    def __init__(self, named: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]], mesh: DeviceMesh,
-                 placements: tuple[Placement, ...], comm: FlatCollectives, compute_device: torch.device,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, offload: bool,
-                 pin_memory: bool, on_grad_ready: Callable[[ParamGroup], None]) -> None:
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        comm: FlatCollectives,
+        compute_device: torch.device,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        offload: bool,
+        pin_memory: bool,
+        on_grad_ready: Callable[[ParamGroup], None],
+    ) -> None:
         self.mesh, self.placements, self._comm = mesh, placements, comm
         self.compute_device, self.offload, self._pin = compute_device, offload, pin_memory and offload
         self.world_size, rank = comm.world_size, comm.rank
         dtypes = {p.dtype for _, p, _ in named}
         if len(dtypes) > 1:
             listed = ", ".join(f"{n} {p.dtype}" for n, p, _ in named)
-            raise ValueError(f"module: one fully_shard call needs parameters of one dtype, got {listed}; "
-                             "call fully_shard on the submodules of each dtype first")
+            raise ValueError(
+                f"module: one fully_shard call needs parameters of one dtype, got {listed}; "
+                "call fully_shard on the submodules of each dtype first"
+            )
         self.params: list[ShardedParam] = []
         offset = 0
         for fqn, param, places in named:
             if param.dim() == 0:
-                raise ValueError(f"module: parameter {fqn!r} is a scalar; fully_shard shards dim 0, as FSDP2 "
-                                 "does: make it a 1-D tensor of one element")
+                raise ValueError(
+                    f"module: parameter {fqn!r} is a scalar; fully_shard shards dim 0, as FSDP2 "
+                    "does: make it a 1-D tensor of one element"
+                )
             rows = param.shape[0]
             row_numel = param[0].numel() if rows else int(torch.Size(param.shape[1:]).numel())
             per_rank = -(-rows // self.world_size)
             local_rows = min(max(rows - rank * per_rank, 0), per_rank)
-            self.params.append(ShardedParam(fqn, places, param.shape, per_rank, row_numel, local_rows, offset,
-                                            param))
+            self.params.append(
+                ShardedParam(fqn, places, param.shape, per_rank, row_numel, local_rows, offset, param)
+            )
             offset += per_rank * row_numel
         self.shard_numel = offset
         first = named[0][1]
@@ -94,11 +110,11 @@ class ParamGroup:
             if not first.is_meta:
                 for info, (_, param, _) in zip(self.params, named, strict=True):
                     start = rank * info.rows_per_rank
-                    self._local_view(info).copy_(param.detach()[start:start + info.local_rows])
+                    self._local_view(info).copy_(param.detach()[start : start + info.local_rows])
         for info, (_, param, _) in zip(self.params, named, strict=True):
             info.param = nn.Parameter(self._as_dtensor(self._local_view(info), info), param.requires_grad)
             info.local = info.param._local_tensor
-            self._point(info, info.param)
+            self._register(info)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self._on_grad_ready = weakref.WeakMethod(on_grad_ready)
         self._leaf: torch.Tensor | None = None
@@ -129,7 +145,7 @@ class ParamGroup:
             current = module._parameters[attr]
             if current is not info.param and isinstance(current, DTensor):
                 info.param = current  # replaced, not swapped: adopt it and register it everywhere
-                self._point(info, current)
+                self._register(info)
         if all(info.param._local_tensor is info.local for info in self.params):
             return
         first = self.params[0].param._local_tensor
@@ -149,18 +165,38 @@ class ParamGroup:
         return flat.pin_memory() if self._pin and torch.cuda.is_available() else flat
 
     def _local_view(self, info: ShardedParam) -> torch.Tensor:
-        return self.flat[info.offset:info.offset + info.local_rows * info.row_numel].view(info.local_shape)
+        return self.flat[info.offset : info.offset + info.local_rows * info.row_numel].view(info.local_shape)
 
     def _as_dtensor(self, local: torch.Tensor, info: ShardedParam) -> DTensor:
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=info.shape,
-                                  stride=_contiguous_strides(info.shape))
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=info.shape,
+            stride=_contiguous_strides(info.shape),
+        )
 
     @staticmethod
-    def _point(info: ShardedParam, tensor: torch.Tensor) -> None:
-        # Straight into _parameters: nn.Module.__setattr__ takes only Parameters there, and the gathered
-        # views are plain tensors with a grad_fn. The key (and so the parameters' order) is kept.
+    def _register(info: ShardedParam) -> None:
+        """Make the DTensor the module's parameter (straight into _parameters: the key and order are kept)."""
         for module, attr in info.places:
-            module._parameters[attr] = tensor
+            module._parameters[attr] = info.param
+
+    @staticmethod
+    def _show(info: ShardedParam, full: torch.Tensor | None) -> None:
+        """Let the module's code see ``full`` as the attribute (None: the DTensor parameter again).
+
+        The full tensor goes in the instance ``__dict__``, which attribute lookup reads before
+        nn.Module.__getattr__ reaches ``_parameters``: the forward sees it, while ``parameters()``,
+        ``state_dict()`` and an optimizer built at any moment (even after a backward that raised)
+        see the DTensor.
+        """
+        for module, attr in info.places:
+            if full is None:
+                module.__dict__.pop(attr, None)
+            else:
+                module.__dict__[attr] = full
 
     # --- gather and free ------------------------------------------------------------------------------
 
@@ -178,8 +214,10 @@ class ParamGroup:
         if self._state is not _State.FREE:
             return
         if self.flat.is_meta:
-            raise RuntimeError(f"fully_shard: parameter {self.params[0].fqn!r} is on the meta device; call "
-                               "model.to_empty(device=...) and initialise the parameters before the forward")
+            raise RuntimeError(
+                f"fully_shard: parameter {self.params[0].fqn!r} is on the meta device; call "
+                "model.to_empty(device=...) and initialise the parameters before the forward"
+            )
         full = self._full_data()
         full.untyped_storage().resize_(full.numel() * full.element_size())
         source = self.flat.to(self.compute_device, non_blocking=True).to(self.unsharded_dtype)
@@ -201,10 +239,18 @@ class ParamGroup:
             work.wait()
         self._in_flight = None
         full = self._full_data()
-        outs = [full[self.world_size * i.offset:self.world_size * (i.offset + i.chunk_numel)].view(
-            self.world_size, i.chunk_numel) for i in self.params]
-        torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel),
-                                    [i.chunk_numel for i in self.params], dim=1, out=outs)
+        outs = [
+            full[self.world_size * i.offset : self.world_size * (i.offset + i.chunk_numel)].view(
+                self.world_size, i.chunk_numel
+            )
+            for i in self.params
+        ]
+        torch.split_with_sizes_copy(
+            gathered.view(self.world_size, self.shard_numel),
+            [i.chunk_numel for i in self.params],
+            dim=1,
+            out=outs,
+        )
         self._state = _State.GATHERED
 
     def use_unsharded(self) -> None:
@@ -212,8 +258,8 @@ class ParamGroup:
         self.wait_unsharded()
         for info in self.params:
             start = self.world_size * info.offset
-            full = self._leaf[start:start + info.shape.numel()].view(info.shape)
-            self._point(info, full if info.param.requires_grad else full.detach())
+            full = self._leaf[start : start + info.shape.numel()].view(info.shape)
+            self._show(info, full if info.param.requires_grad else full.detach())
 
     def reshard(self) -> None:
         """Free the full parameters; the module's attributes go back to the DTensor parameters."""
@@ -221,14 +267,18 @@ class ParamGroup:
             return
         self.wait_unsharded()  # never free storage a collective is still writing
         for info in self.params:
-            self._point(info, info.param)
+            self._show(info, None)
         self._leaf.untyped_storage().resize_(0)
         self._state = _State.FREE
 
     def _full_data(self) -> torch.Tensor:
         if self._leaf is None:
-            self._leaf = torch.empty(self.world_size * self.shard_numel, dtype=self.unsharded_dtype,
-                                     device=self.compute_device, requires_grad=True)
+            self._leaf = torch.empty(
+                self.world_size * self.shard_numel,
+                dtype=self.unsharded_dtype,
+                device=self.compute_device,
+                requires_grad=True,
+            )
             self._leaf.untyped_storage().resize_(0)
             # The hook holds the group weakly: the leaf keeps it on the C++ side, where the garbage collector
             # cannot follow a cycle back, and a strong one kept a dropped model's shards and gradients alive.
@@ -253,8 +303,15 @@ class ParamGroup:
         grad = self._leaf.grad
         self._leaf.grad = None
         if self.world_size > 1:  # parameter-major -> rank-major
-            grad = torch.cat([grad[self.world_size * i.offset:self.world_size * (i.offset + i.chunk_numel)].view(
-                self.world_size, i.chunk_numel) for i in self.params], dim=1).view(-1)
+            grad = torch.cat(
+                [
+                    grad[self.world_size * i.offset : self.world_size * (i.offset + i.chunk_numel)].view(
+                        self.world_size, i.chunk_numel
+                    )
+                    for i in self.params
+                ],
+                dim=1,
+            ).view(-1)
         return self._comm.reduce_scatter_mean(grad.to(self.grad_reduce_dtype))
 
     def shard_grad(self, reduced: torch.Tensor) -> torch.Tensor:
@@ -266,7 +323,9 @@ class ParamGroup:
         for info in self.params:
             if not info.param.requires_grad:
                 continue
-            local = flat_grad[info.offset:info.offset + info.local_rows * info.row_numel].view(info.local_shape)
+            local = flat_grad[info.offset : info.offset + info.local_rows * info.row_numel].view(
+                info.local_shape
+            )
             if info.param.grad is None:
                 info.param.grad = self._as_dtensor(local, info)
             else:

@@ -20,12 +20,19 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     state: list[torch.Tensor] = []
     if optimizer is not None:
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    groups = [m._fsdp_state.group for m in module.modules()
-              if isinstance(m, FSDPModule) and m._fsdp_state.group is not None]
-    report = {"parameters": _local_bytes(params), "gradients": _local_bytes(p.grad for p in params),
-              "optimizer_state": _local_bytes(t for t in state if t.dim() > 0),
-              "padding": sum(g.flat.nbytes for g in groups) - _local_bytes(i.param for g in groups for i in g.params),
-              "gathered": sum(g.gathered_nbytes for g in groups)}
+    groups = [
+        m._fsdp_state.group
+        for m in module.modules()
+        if isinstance(m, FSDPModule) and m._fsdp_state.group is not None
+    ]
+    report = {
+        "parameters": _local_bytes(params),
+        "gradients": _local_bytes(p.grad for p in params),
+        "optimizer_state": _local_bytes(t for t in state if t.dim() > 0),
+        "padding": sum(g.flat.nbytes for g in groups)
+        - _local_bytes(i.param for g in groups for i in g.params),
+        "gathered": sum(g.gathered_nbytes for g in groups),
+    }
     report["total"] = sum(report.values())
     return report
 

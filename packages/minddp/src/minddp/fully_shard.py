@@ -41,12 +41,22 @@ from minddp.fsdp_comm import FlatCollectives, PendingReduce
 from minddp.fsdp_group import ParamGroup
 from minddp.nested import map_tensors, tensors_in
 
+_FULL_PRECISION = MixedPrecisionPolicy()  # frozen: one default object serves every call
 _COMMS: dict[tuple[dist.ProcessGroup, str], FlatCollectives] = {}
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+# Set on each parameter a fully_shard call replaced by a DTensor ("<Class>.<name>"): a module outside the call
+# that still holds it shares it with the call, and sharding it twice would train two copies.
+_SHARDED_BY = "_minddp_sharded_by"
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool = True,
-                mp_policy: Any = MixedPrecisionPolicy(), offload_policy: Any = None) -> nn.Module:
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = _FULL_PRECISION,
+    offload_policy: Any = None,
+) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` took) over ``mesh``; returns ``module``.
 
     Args:
@@ -68,15 +78,21 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     if isinstance(module, FSDPModule):
         raise ValueError(f"module: fully_shard was already applied to this {type(module).__name__}")
     if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward: expected a bool, got {reshard_after_forward!r} "
-                        "(FSDP2's int form is not supported)")
+        raise TypeError(
+            f"reshard_after_forward: expected a bool, got {reshard_after_forward!r} "
+            "(FSDP2's int form is not supported)"
+        )
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh: expected a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got {mesh.ndim}-D")
+        raise ValueError(
+            f"mesh: expected a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got {mesh.ndim}-D"
+        )
     named = _managed_params(module)
     _check_same_config_on_every_rank(module, named, mesh, reshard_after_forward, mp, offload)
     state = FSDPState(module, named, mesh, reshard_after_forward, mp, offload)
+    for name, param, _ in named:
+        setattr(param, _SHARDED_BY, f"{type(module).__name__}.{name}")
     module._fsdp_state = state
     module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
@@ -87,7 +103,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
 
 
 class UnshardHandle:
-    """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: ``wait()`` for the gathered parameters."""
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: ``wait()`` for the full parameters."""
 
     def __init__(self, group: ParamGroup | None) -> None:
         self._group = group
@@ -135,7 +151,7 @@ class FSDPModule:
             state.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """All-gather ``modules`` (in order) when this module's forward begins, instead of the implicit one-ahead."""
+        """All-gather ``modules`` (in order) when this module's forward begins (instead of the next one)."""
         self._fsdp_state.forward_prefetch = _states_of(modules, "modules")
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -155,8 +171,10 @@ class FSDPModule:
         return result
 
     def __deepcopy__(self, memo: Any) -> Any:
-        raise TypeError("a fully_shard-ed module cannot be deep-copied (as with FSDP2): copy the model before "
-                        "fully_shard, or save and load a state dict")
+        raise TypeError(
+            "a fully_shard-ed module cannot be deep-copied (as with FSDP2): copy the model before "
+            "fully_shard, or save and load a state dict"
+        )
 
 
 class _Context:
@@ -184,9 +202,15 @@ class _Context:
 class FSDPState:
     """One ``fully_shard`` call's state: its unit, settings and forward/backward hooks."""
 
-    def __init__(self, module: nn.Module, named: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
-                 mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy,
-                 offload: OffloadPolicy) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        named: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        mesh: DeviceMesh,
+        reshard_after_forward: bool,
+        mp: MixedPrecisionPolicy,
+        offload: OffloadPolicy,
+    ) -> None:
         self.module, self.mesh, self.mp = module, mesh, mp
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -201,9 +225,22 @@ class FSDPState:
         self.replicate_comm = _comm(mesh.get_group(0), device) if mesh.ndim == 2 else None
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
         is_offload = isinstance(offload, CPUOffloadPolicy)
-        self.group = ParamGroup(named, mesh, placements, _comm(shard_group, device), device, mp.param_dtype,
-                                mp.reduce_dtype, is_offload, is_offload and offload.pin_memory,
-                                self._on_grad_ready) if named else None
+        self.group = (
+            ParamGroup(
+                named,
+                mesh,
+                placements,
+                _comm(shard_group, device),
+                device,
+                mp.param_dtype,
+                mp.reduce_dtype,
+                is_offload,
+                is_offload and offload.pin_memory,
+                self._on_grad_ready,
+            )
+            if named
+            else None
+        )
 
     # --- forward ----------------------------------------------------------------------------------------
 
@@ -241,7 +278,7 @@ class FSDPState:
         if self.forward_prefetch is not None:
             return [s for s in self.forward_prefetch if s.group is not None]
         order = self.ctx.last_forward_order
-        following = order[order.index(self) + 1:order.index(self) + 2] if self in order else []
+        following = order[order.index(self) + 1 : order.index(self) + 2] if self in order else []
         return [s for s in following if s.group is not None]
 
     # --- backward ---------------------------------------------------------------------------------------
@@ -258,7 +295,7 @@ class FSDPState:
             prefetch = self.backward_prefetch
         else:
             order = ctx.forward_order
-            prefetch = order[order.index(self) - 1:order.index(self)] if self in order[1:] else []
+            prefetch = order[order.index(self) - 1 : order.index(self)] if self in order[1:] else []
         for state in prefetch:
             if state.group is not None:
                 state.group.unshard()
@@ -282,8 +319,10 @@ class FSDPState:
         ctx = _Context(states)
         for state in states:
             if state.is_root is not None and state is not self:
-                raise RuntimeError("fully_shard: a module ran its forward on its own before its parent's; run "
-                                   "the model's forward first (FSDP2 makes the same demand)")
+                raise RuntimeError(
+                    "fully_shard: a module ran its forward on its own before its parent's; run "
+                    "the model's forward first (FSDP2 makes the same demand)"
+                )
             state.is_root, state.ctx = state is self, ctx
             if state.group is not None:
                 state.group.rehome()
@@ -294,7 +333,7 @@ def _pre_backward(state: FSDPState, _grads: Any) -> None:
 
 
 def _finish_backward(ctx: _Context) -> None:
-    """Run by the autograd engine at the end of backward: reduce what is left, land every gradient, reshard."""
+    """Run by the autograd engine at the end of backward: reduce what is left, land the gradients, reshard."""
     for state in ctx.states:
         if state.group is not None and state.requires_gradient_sync and state.group.has_unreduced_grad:
             state.start_reduce()  # a unit whose gradient hook did not fire (a part of it unused)
@@ -310,7 +349,7 @@ def _finish_backward(ctx: _Context) -> None:
 
 
 def _discard_failed_backward(ctx: _Context) -> None:
-    """Drop what a backward that raised left behind: its reduction in flight, its reduced and full gradients."""
+    """Drop what a backward that raised left: the reduction in flight, the reduced and full gradients."""
     if ctx.pending is not None:
         ctx.pending[1].wait()
         ctx.pending = None
@@ -325,9 +364,10 @@ def _discard_failed_backward(ctx: _Context) -> None:
 
 # --- helpers ------------------------------------------------------------------------------------------------
 
+
 def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:
     """(name, parameter, every (module, attribute) holding it) for the parameters this call shards: those of
-    ``module``'s submodules not under an inner fully_shard; a parameter an inner one already holds is refused."""
+    ``module``'s submodules not under an inner fully_shard; one an inner (or other) call holds is refused."""
     inner: dict[int, str] = {}
     own_modules: list[tuple[str, nn.Module]] = []
     stack: list[tuple[str, nn.Module]] = [("", module)]
@@ -344,23 +384,38 @@ def _managed_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[tup
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            if id(p) in inner:
-                raise ValueError(f"module: parameter {prefix + attr!r} is shared with {inner[id(p)]!r}, which an "
-                                 "inner fully_shard already shards; put the modules sharing it in one fully_shard "
-                                 "(as torch >= 2.13's FSDP2 asks)")
+            owner = inner.get(id(p)) or getattr(p, _SHARDED_BY, None)
+            if owner is not None:
+                raise ValueError(
+                    f"module: parameter {prefix + attr!r} is shared with {owner!r}, which another "
+                    "fully_shard call already shards; put the modules sharing it in one fully_shard "
+                    "call (as torch >= 2.13's FSDP2 asks)"
+                )
             entry = found.setdefault(id(p), (prefix + attr, p, []))
             if (m, attr) not in [(pm, pa) for pm, pa in entry[2]]:
                 entry[2].append((m, attr))
     return list(found.values())
 
 
-def _check_same_config_on_every_rank(module: nn.Module, named: list[tuple[str, nn.Parameter, Any]],
-                                     mesh: DeviceMesh, reshard_after_forward: bool, mp: MixedPrecisionPolicy,
-                                     offload: OffloadPolicy) -> None:
+def _check_same_config_on_every_rank(
+    module: nn.Module,
+    named: list[tuple[str, nn.Parameter, Any]],
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    mp: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+) -> None:
     """Raise the same error on every rank if any rank's call differs from the group's first rank's."""
-    signature = [f"module {type(module).__name__}", f"mesh shape {tuple(mesh.shape)}",
-                 f"reshard_after_forward={reshard_after_forward}", f"mp_policy={mp}", f"offload_policy={offload}"]
-    signature += [f"parameter {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for n, p, _ in named]
+    signature = [
+        f"module {type(module).__name__}",
+        f"mesh shape {tuple(mesh.shape)}",
+        f"reshard_after_forward={reshard_after_forward}",
+        f"mp_policy={mp}",
+        f"offload_policy={offload}",
+    ]
+    signature += [
+        f"parameter {n} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}" for n, p, _ in named
+    ]
     device = _mesh_device(mesh)
     for dim in range(mesh.ndim):
         group = mesh.get_group(dim)
@@ -369,18 +424,24 @@ def _check_same_config_on_every_rank(module: nn.Module, named: list[tuple[str, n
         gathered = all_gather_objects(signature, group, device)
         for rank, other in enumerate(gathered[1:], start=1):
             if other != gathered[0]:
-                first = next((i for i, (a, b) in enumerate(zip(gathered[0], other, strict=False)) if a != b),
-                             min(len(gathered[0]), len(other)))
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(gathered[0], other, strict=False)) if a != b),
+                    min(len(gathered[0]), len(other)),
+                )
                 ours = gathered[0][first] if first < len(gathered[0]) else "nothing"
                 theirs = other[first] if first < len(other) else "nothing"
-                raise ValueError(f"fully_shard: rank 0 has {ours} where rank {rank} has {theirs} (mesh dim "
-                                 f"{dim}); every rank must make the same call on the same model")
+                raise ValueError(
+                    f"fully_shard: rank 0 has {ours} where rank {rank} has {theirs} (mesh dim "
+                    f"{dim}); every rank must make the same call on the same model"
+                )
 
 
 def _default_mesh() -> DeviceMesh:
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("fully_shard needs an initialized process group: call torch.distributed."
-                           "init_process_group(...) first (torchrun sets up its environment), or pass mesh=")
+        raise RuntimeError(
+            "fully_shard needs an initialized process group: call torch.distributed."
+            "init_process_group(...) first (torchrun sets up its environment), or pass mesh="
+        )
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
