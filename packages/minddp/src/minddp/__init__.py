@@ -21,7 +21,7 @@ from minddp.fsdp_memory import memory_report
 from minddp.fully_shard import FSDPModule, UnshardHandle, fully_shard
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
-__version__ = "0.3.0"
+__version__ = "0.2.0"
 
 STRATEGIES: dict[str, type[DataParallel]] = {
     "naive": NaiveDDP,
