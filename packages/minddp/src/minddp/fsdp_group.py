@@ -104,6 +104,14 @@ class ParamGroup:
             )
             offset += per_rank * row_numel
         self.shard_numel = offset
+        # The leaf split into each parameter and the padding after it. One split node (not a slice per
+        # parameter) makes autograd build the leaf's gradient with one concatenation, not one full-size
+        # zero-filled tensor per parameter summed up.
+        self._split_sizes = [
+            n
+            for i in self.params
+            for n in (i.shape.numel(), self.world_size * i.chunk_numel - i.shape.numel())
+        ]
         first = named[0][1]
         self.flat = self._new_flat(first.dtype, first.device)
         with torch.no_grad():
@@ -256,9 +264,9 @@ class ParamGroup:
     def use_unsharded(self) -> None:
         """Point the module's attributes at the full parameters (views of the leaf; frozen ones detached)."""
         self.wait_unsharded()
-        for info in self.params:
-            start = self.world_size * info.offset
-            full = self._leaf[start : start + info.shape.numel()].view(info.shape)
+        pieces = self._leaf.split(self._split_sizes)
+        for info, piece in zip(self.params, pieces[::2], strict=True):
+            full = piece.view(info.shape)
             self._show(info, full if info.param.requires_grad else full.detach())
 
     def reshard(self) -> None:
