@@ -229,13 +229,31 @@ def unshard_and_reshard(rank: int, world_size: int) -> dict[str, Any]:
     handle.wait()
     after_wait = type(block.up.weight).__name__
     block.reshard()
+    resharded = type(block.up.weight).__name__
+    model.set_reshard_after_backward(False)
+    loss_of(model, batches(world_size)[0].chunk(world_size)[rank]).backward()
+    kept = [b._fsdp_state.group.is_unsharded for b in model.blocks]
+    model.set_reshard_after_backward(True)
+    loss_of(model, batches(world_size)[0].chunk(world_size)[rank]).backward()
+    freed = [b._fsdp_state.group.is_unsharded for b in model.blocks]
     return {
         "unsharded": unsharded,
-        "resharded": type(block.up.weight).__name__,
+        "resharded": resharded,
         "async": after_wait,
         "class": type(model).__name__,
         "is FSDPModule": isinstance(model, minddp.FSDPModule),
+        "kept after backward": kept,
+        "freed after backward": freed,
+        "output dtype": output_dtype(world_size),
     }
+
+
+def output_dtype(world_size: int) -> str:
+    """bf16 compute, the outputs cast back to fp32 by output_dtype."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = minddp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    model = minddp.fully_shard(nn.Linear(D, D), mesh=mesh, mp_policy=policy)
+    return str(model(torch.randn(2, D)).dtype)
 
 
 def meta_init_and_broadcast_load(rank: int, world_size: int) -> dict[str, Any]:
@@ -524,7 +542,7 @@ def test_explicit_prefetch_two_blocks_ahead(outcome: Any) -> None:
         assert result["gathered ahead"] == [[True, True], [True, True], [True], []], result
 
 
-def test_unshard_and_reshard(outcome: Any) -> None:
+def test_unshard_reshard_and_their_settings(outcome: Any) -> None:
     for result in results_of(outcome, "unshard_and_reshard")[1]:
         assert result == {
             "unsharded": ("Tensor", (HIDDEN, D)),
@@ -532,6 +550,9 @@ def test_unshard_and_reshard(outcome: Any) -> None:
             "async": "Tensor",
             "class": "FSDPTinyLM",
             "is FSDPModule": True,
+            "kept after backward": [True] * LAYERS,
+            "freed after backward": [False] * LAYERS,
+            "output dtype": "torch.float32",
         }
 
 

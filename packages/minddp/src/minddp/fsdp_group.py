@@ -324,7 +324,8 @@ class ParamGroup:
 
     def shard_grad(self, reduced: torch.Tensor) -> torch.Tensor:
         """A reduced flat gradient shard in the parameters' dtype, where the shards live."""
-        return reduced.to(device=self.flat.device, dtype=self.orig_dtype, non_blocking=True)
+        # Blocking: under CPU offload the optimizer reads it on the host right after backward.
+        return reduced.to(device=self.flat.device, dtype=self.orig_dtype)
 
     def accumulate_grads(self, flat_grad: torch.Tensor) -> None:
         """Give each trainable parameter its DTensor gradient from the flat shard (added if it has one)."""
