@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.common import ArgumentParser, nonnegative_float, nonnegative_int, positive_int
 from benchmarks.ddp import wrap
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import reducer
@@ -171,16 +172,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=list(MODEL_SIZES),
                         default="xl" if torch.cuda.is_available() else "tiny")
     parser.add_argument("--configs", default="single,bucketed,torch",
                         help=f"comma-separated among {', '.join(CONFIGS)}")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--context", type=positive_int, default=512)
+    parser.add_argument("--bucket-mb", type=nonnegative_float, default=25.0)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=5)
     parser.add_argument("--trace", default=None, help="a folder for each profiled step's Chrome trace")
     args = parser.parse_args()
     configs = args.configs.split(",")

@@ -274,7 +274,8 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 "context_length": str(args.context_length), "ddp": args.ddp, "backend": args.backend,
                 "memory_accounting": ACCOUNTING[on_cuda]}
     for name, df in results.items():
-        save_results(df, f"shardopt_{name}", args, metadata)
+        if not df.empty:  # no goal without both sides of a criterion: the earlier goal file stays
+            save_results(df, f"shardopt_{name}", args, metadata)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -294,7 +295,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="gradient averaging: torch's DistributedDataParallel or a minddp strategy")
     parser.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed iterations per optimizer")
     parser.add_argument("--iters", type=positive_int, default=5, help="timed iterations per optimizer")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (all three optimizers)")
+    parser.add_argument("--lr", type=positive_float, default=1e-4,
+                        help="AdamW learning rate (all three optimizers)")
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="sdpa", help="attention function")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model; each rank's data adds its rank")
     parser.add_argument("--timeout", type=positive_float, default=600,
