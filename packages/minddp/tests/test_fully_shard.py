@@ -505,7 +505,8 @@ WORLD_SIZES = [2, 3, 4]
 def outcome(request: pytest.FixtureRequest, ranks: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     world_size = request.param
     folder = str(tmp_path_factory.mktemp(f"fully_shard{world_size}"))
-    return world_size, ranks(all_checks, world_size, folder, timeout=900)
+    # A hang guard, under pytest-timeout's limit (pyproject.toml) so that a hang reports which ranks hung.
+    return world_size, ranks(all_checks, world_size, folder, timeout=280)
 
 
 def results_of(outcome: Any, check: str) -> tuple[int, list[Any]]:
