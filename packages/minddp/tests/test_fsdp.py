@@ -46,22 +46,20 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Blocks of 35 + 35 weights (padded at 3 ranks), a tied 55-weight embedding (padded at 2)."""
+    """Blocks of 35 + 35 weights (padded at 3 ranks) in an nn.Sequential, a tied 55-weight embedding (padded
+    at 2)."""
 
     def __init__(self, layers: int = 2, d: int = D, hidden: int = HIDDEN) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, d)
         self.frozen = nn.Linear(d, d, bias=False).requires_grad_(False)
-        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.blocks = nn.Sequential(*(Block(d, hidden) for _ in range(layers)))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB, bias=False)
         self.head.weight = self.embedding.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.frozen(self.embedding(tokens))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(self.blocks(self.frozen(self.embedding(tokens)))))
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
