@@ -247,17 +247,11 @@ class ParamGroup:
             work.wait()
         self._in_flight = None
         full = self._full_data()
-        outs = [
-            full[self.world_size * i.offset : self.world_size * (i.offset + i.chunk_numel)].view(
-                self.world_size, i.chunk_numel
-            )
-            for i in self.params
-        ]
-        torch.split_with_sizes_copy(
+        torch.split_with_sizes_copy(  # rank-major -> parameter-major
             gathered.view(self.world_size, self.shard_numel),
             [i.chunk_numel for i in self.params],
             dim=1,
-            out=outs,
+            out=self._per_param_chunks(full),
         )
         self._state = _State.GATHERED
 
@@ -310,17 +304,18 @@ class ParamGroup:
         """Take the accumulated full gradient and start its mean-reduce-scatter in ``grad_reduce_dtype``."""
         grad = self._leaf.grad
         self._leaf.grad = None
-        if self.world_size > 1:  # parameter-major -> rank-major
-            grad = torch.cat(
-                [
-                    grad[self.world_size * i.offset : self.world_size * (i.offset + i.chunk_numel)].view(
-                        self.world_size, i.chunk_numel
-                    )
-                    for i in self.params
-                ],
-                dim=1,
-            ).view(-1)
-        return self._comm.reduce_scatter_mean(grad.to(self.grad_reduce_dtype))
+        if self.world_size == 1:
+            return self._comm.reduce_scatter_mean(grad.to(self.grad_reduce_dtype))
+        rank_major = grad.new_empty((self.world_size, self.shard_numel), dtype=self.grad_reduce_dtype)
+        torch.cat(self._per_param_chunks(grad), dim=1, out=rank_major)  # cast on the way
+        return self._comm.reduce_scatter_mean(rank_major.view(-1))
+
+    def _per_param_chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's padded segment of a parameter-major ``full`` tensor as (ranks, chunk) views."""
+        n = self.world_size
+        return [
+            full[n * i.offset : n * (i.offset + i.chunk_numel)].view(n, i.chunk_numel) for i in self.params
+        ]
 
     def shard_grad(self, reduced: torch.Tensor) -> torch.Tensor:
         """A reduced flat gradient shard in the parameters' dtype, where the shards live."""
