@@ -32,3 +32,33 @@ def test_the_join_example_runs(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "after uneven inputs, both replicas hold" in done.stdout
+
+
+def run_under_torchrun(script: Path, nproc: int) -> str:
+    """``torchrun --nproc-per-node nproc script`` in the script's folder (minddp importable); its stdout."""
+    source = str(Path(minddp.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               script.name]
+    # The timeout is a hang guard: two processes train a tiny model in seconds.
+    done = subprocess.run(command, cwd=script.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_fully_shard_example_is_an_fsdp2_script_with_another_import(tmp_path):
+    """The example, and the same file with torch's import line instead of minddp's, print the same line."""
+    example = python_block("# fsdp_train.py")
+    assert "# from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n" in example
+    with_torch = example.replace("# from torch.distributed.fsdp", "from torch.distributed.fsdp").replace(
+        "from minddp import", "# from minddp import")
+    outputs = []
+    for name, source in (("minddp", example), ("torch", with_torch)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "fsdp_train.py").write_text(source)
+        outputs.append(run_under_torchrun(folder / "fsdp_train.py", 2))
+        assert (folder / "model.pt").exists()
+    assert "step 9: loss" in outputs[0] and "FSDPSequential, weight (Shard(dim=0),)" in outputs[0]
+    assert outputs[0] == outputs[1]

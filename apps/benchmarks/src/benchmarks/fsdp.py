@@ -6,13 +6,13 @@ compute and with bf16 compute, each on a freshly built model:
   minddp-bucketed  minddp.BucketedDDP (bf16: autocast)
   torch-fsdp2      torch.distributed.fsdp.fully_shard on every block and the root
                    (bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32))
-  minddp-fsdp      minddp.FSDP (bf16: compute_dtype=torch.bfloat16)
+  minddp-fsdp      minddp.fully_shard, called exactly as torch's (the same code, the other import)
 
 Memory per rank (the largest over the ranks), measured after a training step: the parameters,
-gradients and optimizer state this rank holds (sizes of its local tensors: DTensor shards for
-FSDP2, flat shards for minddp.FSDP) and, on CUDA, the peak allocated during the step and other =
-peak - those three. Beside it, the memory model: P parameters of 4 bytes held whole by DDP, 1/N
-of them (plus padding, plus the vectors minddp keeps whole) by FSDP, the same for gradients, 2x
+gradients and optimizer state this rank holds (sizes of its local tensors: DTensor shards under
+both FSDPs) and, on CUDA, the peak allocated during the step and other = peak - those three.
+Beside it, the memory model: P parameters of 4 bytes held whole by DDP, 1/N of them (plus
+padding) by FSDP, the same for gradients, 2x
 that for AdamW's state; FSDP also holds the gathered units while they run (the root: embedding,
 LM head, final norm, plus two blocks, the running one and the prefetched one, in the compute
 dtype); activations (float32: benchmarks.checkpointing's model for naive attention; not
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import minddp
 from benchmarks.checkpointing import predicted_activation_bytes
 from benchmarks.common import (
     add_device_arg,
@@ -62,7 +63,7 @@ from benchmarks.common import (
 )
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
 from benchmarks.overlap import trace_comm
-from minddp import FSDP, BucketedDDP
+from minddp import BucketedDDP
 from minddp.launch import launch, tensor_device, under_torchrun
 from profkit import PhaseClock, memory_breakdown, read_peak_memory, reset_peak_memory, run_steps
 from profkit.timing import total_mean
@@ -80,16 +81,15 @@ def wrap(strategy: str, model: TransformerLM, compute: torch.dtype | None, where
         return DistributedDataParallel(model, device_ids=[where.index] if where.type == "cuda" else None)
     if strategy == "minddp-bucketed":
         return BucketedDDP(model)
-    if strategy == "minddp-fsdp":
-        return FSDP(model, compute_dtype=compute)
+    import torch.distributed.fsdp as torch_fsdp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    lib: Any = minddp if strategy == "minddp-fsdp" else torch_fsdp  # the same names: only the import differs
     mesh = init_device_mesh(where.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    policy = lib.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        lib.fully_shard(block, mesh=mesh, mp_policy=policy)
+    lib.fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -118,9 +118,6 @@ class Workload:
         with autocast:
             logits = self.wrapped(tokens[:, :-1])
         F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
-        if finish is not None:
-            finish()
 
     def step(self, phase: Callable[[str], Any]) -> None:
         with phase("iteration"):
@@ -159,12 +156,10 @@ def memory_model(strategy: str, compute: str, cfg: ModelConfig, args: argparse.N
     with torch.device("meta"):
         model = TransformerLM(cfg)
     total = sum(p.numel() for p in model.parameters())
-    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)
     block = sum(p.numel() for p in model.blocks[0].parameters())
     root = total - cfg.num_layers * block
     sharded = strategy in SHARDED
-    kept_whole = vectors if strategy == "minddp-fsdp" else 0  # minddp keeps 1-D parameters whole
-    held = 4 * ((total - kept_whole) / world_size + kept_whole) if sharded else 4 * total
+    held = 4 * total / world_size if sharded else 4 * total
     compute_bytes = 2 if COMPUTE[compute] is not None else 4
     gathered = compute_bytes * (root + 2 * block) if sharded else 0  # a copy even at one rank
     activations = (predicted_activation_bytes(cfg, "none", 2, args.batch_size, args.context_length)
