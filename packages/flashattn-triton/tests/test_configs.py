@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashattn_triton import _configs, _hopper, _planning, triton_impl
+from flashattn_triton import _configs, _dispatch, _hopper, _planning, triton_impl
 from flashattn_triton._configs import HOPPER_BACKWARD, HOPPER_FORWARD, BackwardConfig, ForwardConfig, smaller
 
 
@@ -123,11 +123,12 @@ def test_gluon_availability_is_read_without_importing_gluon():
 def test_hopper_kernel_refused_where_it_does_not_apply():
     pytest.importorskip("triton")
     q, k, v, out, grad_out = (torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(5))
-    assert not _hopper.supports("bwd", q, (q, k, v, out, grad_out), 64)  # CPU tensors
+    description = _dispatch.describe("bwd", q, k, (q, k, v, out, grad_out), window=(-1, 0))
+    assert _dispatch.choose(description) != _dispatch.GLUON  # CPU tensors
     lse = torch.zeros(1, 2, 256)
-    with pytest.raises(ValueError, match="16-bit problems with head dim 16 or 32 or 64 or 128"):
+    with pytest.raises(ValueError, match="the Gluon kernels do not run this problem"):
         triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, 0.125, HOPPER_BACKWARD[64][0])
-    with pytest.raises(ValueError, match="16-bit problems with head dim 64 or 128"):
+    with pytest.raises(ValueError, match="the Gluon kernels do not run this problem"):
         triton_impl.triton_forward(q, k, v, True, 0.125, HOPPER_FORWARD[0])
 
 

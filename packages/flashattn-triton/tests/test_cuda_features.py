@@ -14,6 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashattn_triton import (
     _configs,
+    _dispatch,
     _hopper,
     _inputs,
     _planning,
@@ -472,7 +473,7 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ho
     grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2) if layout != "bhtd" else grad_out
     args = op_arguments(q, k, v, is_causal=is_causal, window_size=window, enable_gqa=True)
     want = float64_torch_path(args, grad_out)
-    gluon = {pass_name: head_dim in _hopper.HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
+    gluon = {pass_name: head_dim in _dispatch.GLUON_HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
     for forward in hopper_configs("fwd", head_dim) if gluon["fwd"] else [None]:
         torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations')
         out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)

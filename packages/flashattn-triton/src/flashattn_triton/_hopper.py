@@ -55,9 +55,6 @@ from flashattn_triton._inputs import as_4d
 from flashattn_triton._launcher import Launcher
 from flashattn_triton._tiles import Tiles
 
-# Head dims each kernel compiles for without spills (the backward at d = 128 in 32-row steps with dQ
-# transposed, or 64-row query-major ones: _hopper_kernels.transposed_step, query_major_step).
-HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 CONSUMER_REGISTERS = 240  # a 4-warp consumer partition's (the forward's two, the backward's where it has two)
 # Persistent programs' work schedule (work_schedule, decisions.md#gluon-work-schedule). A work item's fixed
@@ -120,39 +117,6 @@ def head_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
     if (heads - 1) * stride_h + head_dim <= stride_t and stride_h >= head_dim:  # heads side by side in a row
         return rows_per_z, 0, stride_h
     return None
-
-
-def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int,
-             band: tuple[int, int] | None = None) -> bool:
-    """Whether the Gluon kernel of pass_name ("fwd" or "bwd") runs this problem: Hopper, 16-bit, a head
-    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, K/V heads dividing q's (grouped-query attention),
-    every tensor (q, k, v[, out, dO]) in a head_layout, and no band other than a causal sliding window
-    (right = 0)."""
-    sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
-    if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS[pass_name]):
-        return False
-    tensors = tuple(as_4d(t) for t in tensors)
-    q, k, v = tensors[:3]
-    seqlen, heads, kv_heads = q.shape[-2], q.shape[1], k.shape[1]
-    if seqlen % 128 or k.shape[-2] != seqlen or heads % kv_heads or (band is not None and band[1] != 0):
-        return False
-    if any(head_layout(t) is None for t in tensors):
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and available()
-
-
-def refusal(pass_name: str, q: torch.Tensor, band: tuple[int, int] | None, dropout_p: float) -> str:
-    """Why a config naming the Gluon kernel of pass_name cannot run this problem: what supports asks, beside
-    the problem's q, band and dropout."""
-    dims = " or ".join(map(str, HEAD_DIMS[pass_name]))
-    return (
-        f"the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a multiple of 128, K/V "
-        "heads dividing the query heads, inputs in (B, H, T, d) or (B, T, H, d) memory, no window but a "
-        "causal one, on sm_90 with Gluon, above the small-problem size, without dropout; "
-        f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
-        + ("" if band is None else f" with window {band}")
-        + f" with dropout_p={dropout_p}" * (dropout_p > 0.0)
-    )
 
 
 def kernel(pass_name: str) -> Any:

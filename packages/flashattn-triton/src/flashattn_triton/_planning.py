@@ -152,11 +152,8 @@ class Problem:
 
     @property
     def uses_hopper(self) -> bool:
-        """Whether the Gluon kernels are among the candidates: where hopper says they take the inputs
-        (_hopper.supports: layouts, grouped-query attention, causal windows), never for dropout, which they
-        lack, packed sequences, or a deterministic backward (their dQ is atomic)."""
-        return (self.hopper and not self.small and not self.varlen
-                and not (self.deterministic and self.pass_name == "bwd") and not self.dropout)  # fmt: skip
+        """Whether the Gluon kernels are among the candidates: where the dispatch table chose them (hopper)."""
+        return self.hopper
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, _launcher, _packed, feature_impl, torch_impl, triton_impl
+from flashattn_triton import _dispatch, _inputs, _launcher, _masks, _packed, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -98,29 +98,45 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _inputs.interpret_requested() and _launcher.triton_available()
 
 
-def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
-    """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
-    (triton_impl's tuned kernels) for plain or top-left causal attention and for a top-left band (a
-    sliding window, _window) where Tq = Tk, grouped-query or not, with or without dropout (a band's mask,
-    dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
-    row's dropout counters are its query head's, as in the PyTorch path); "varlen" (the tuned kernels'
-    packed sequences) for packed sequences, plain or causal, grouped-query or not, with or without
-    dropout, where _packed.supported; "features" (feature_impl) for every other problem (a
-    mask, packed sequences with a window or float32 at full accuracy, a bottom-right band)."""
-    if not uses_triton(q.device):
-        return "torch"
-    if options["attn_mask"] is not None:
-        return "features"
-    window_right, offset = options["window_right"], options["diagonal_offset"]
-    causal = window_right == 0 and offset == 0
-    plain_or_causal = options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal)
-    if options["cu_seqlens_q"] is not None:
-        window = None if plain_or_causal else (options["window_left"], window_right)
-        return "varlen" if _packed.supported(q, window) else "features"
-    if plain_or_causal:
-        return "tuned"
-    band = offset == 0 and q.shape[2] == k.shape[2]
-    return "tuned" if band else "features"
+_routes: dict[tuple, _dispatch.Description] = {}
+_MAX_ROUTES = 4096
+
+
+def _recognise_mask(q: Tensor, k: Tensor, options: dict[str, Any]) -> dict[str, Any]:
+    """options with a mask that only encodes a top-left band (_masks) replaced by that band."""
+    mask = options["attn_mask"]
+    if mask is None or options["cu_seqlens_q"] is not None or (options["window_left"], options["window_right"],
+                                                               options["diagonal_offset"]) != (UNBOUNDED, UNBOUNDED, 0):
+        return options
+    band = _masks.band_of_mask(mask, q.shape[-2], k.shape[-2])
+    if band is None:
+        return options
+    return {**options, "attn_mask": None, "window_left": band[0], "window_right": band[1]}
+
+
+def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
+           deterministic: bool = False) -> str:  # fmt: skip
+    """The backend (_dispatch) of a pass over tensors (q, k, v[, out, dO]), from its Description, which is
+    worked out once per layout and options."""
+    q, k = tensors[0], tensors[1]
+    mask, cu_seqlens = options["attn_mask"], options["cu_seqlens_q"]
+    window = (options["window_left"], options["window_right"])
+    key = (pass_name, q.dtype, q.device, q.shape, k.shape, *(t.stride() for t in tensors),
+           *(t.data_ptr() % 16 for t in tensors), mask is None, window, options["diagonal_offset"],
+           options["dropout_p"] > 0.0, cu_seqlens is None, options["max_seqlen_q"], options["max_seqlen_k"],
+           deterministic)  # fmt: skip
+    description = _routes.get(key)
+    if description is None:
+        varlen = None if cu_seqlens is None else (cu_seqlens.numel() - 1, options["max_seqlen_q"],
+                                                  options["max_seqlen_k"])  # fmt: skip
+        if len(_routes) >= _MAX_ROUTES:
+            _routes.clear()
+        description = _routes[key] = _dispatch.describe(
+            pass_name, q, k, tensors, mask=mask is not None, window=window,
+            diagonal_offset=options["diagonal_offset"], dropout=options["dropout_p"] > 0.0, varlen=varlen,
+            deterministic=deterministic)  # fmt: skip
+    _dispatch.record(description)
+    return _dispatch.choose(description)
 
 
 def _window(options: dict[str, Any]) -> tuple[int, int] | None:
@@ -153,11 +169,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
-    path = _path(q, k, options)
-    if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
+    options = _recognise_mask(q, k, options)
+    window_right = options["window_right"]
+    backend = _route("fwd", (q, k, v), options)
+    if backend == _dispatch.TORCH:  # (PyTorch's results are contiguous: copied to q's layout where that differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
         return _inputs.in_output_layout(out, q), lse
-    if path in ("tuned", "varlen"):
+    if backend in (_dispatch.TUNED, _dispatch.GLUON):
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state,
                                           packed=_packed_sequences(options))  # fmt: skip
@@ -176,11 +194,13 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
-    path = _path(q, k, options)
-    if path == "torch":
+    options = _recognise_mask(q, k, options)
+    window_right = options["window_right"]
+    backend = _route("bwd", (q, k, v, out, grad_out), options, deterministic)
+    if backend == _dispatch.TORCH:
         grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
         return tuple(_inputs.in_output_layout(g, t) for g, t in zip(grads, (q, k, v), strict=True))
-    if path in ("tuned", "varlen"):
+    if backend in (_dispatch.TUNED, _dispatch.GLUON):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),

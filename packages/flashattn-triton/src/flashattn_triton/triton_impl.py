@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from flashattn_triton import _hopper, _inputs, _launcher
+from flashattn_triton import _dispatch, _hopper, _inputs, _launcher
 from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch
 from flashattn_triton._dropout import check_rng, kept_scale, threshold
@@ -86,15 +86,17 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             (batch, seqlen_q, seqlen_k), heads, kv_heads = varlen, q.shape[1], tensors[1].shape[1]
             batch_heads = batch * heads
         group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
-        # (small problems never run the Gluon kernels: their first call need not import Gluon)
-        hopper = (varlen is None and not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim)
-                  and _hopper.supports(pass_name, q, tensors, head_dim, band))  # fmt: skip
+        layouts = tensors[:3] if pass_name == "fwd" else tensors[:5]  # (not cu_seqlens)
+        description = _dispatch.describe(pass_name, q, tensors[1], layouts, window=_dispatch.window_of(
+            band, is_causal), dropout=dropout_p > 0.0, varlen=varlen, deterministic=deterministic)
+        hopper = _dispatch.choose(description) == _dispatch.GLUON
         problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                           _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
                           deterministic, band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
                           group, varlen is not None)  # fmt: skip
         if config is not None and config.hopper and not problem.uses_hopper:
-            raise ValueError(f"config {config}: {_hopper.refusal(pass_name, q, band, dropout_p)}")
+            raise ValueError(f"config {config}: the Gluon kernels do not run this problem: "
+                             f"{_dispatch.why_not(_dispatch.GLUON, description)}")
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
         # not where a gradient of L joins D, which the preprocess path adds).
