@@ -8,8 +8,8 @@ first:
 
 - ``gluon-sm90``: the Gluon kernels for Hopper (_hopper, _hopper_kernels).
 - ``tuned-triton``: the tuned Triton-language kernels (triton_impl, _kernels).
-- ``feature-triton``: the feature kernels (feature_impl, _feature_kernels): masks, bottom-right bands, and what
-  the tuned kernels do not take.
+- ``feature-triton``: the feature kernels (feature_impl, _feature_kernels): masks, bottom-right bands, and
+  what the tuned kernels do not take.
 - ``pytorch``: the PyTorch path (torch_impl), wherever Triton cannot run.
 
 Each backend's conditions are listed once, in ``_REQUIREMENTS``, as (condition, why not) pairs; a problem runs

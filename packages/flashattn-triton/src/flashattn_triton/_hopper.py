@@ -51,7 +51,6 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
-from flashattn_triton._inputs import as_4d
 from flashattn_triton._launcher import Launcher
 from flashattn_triton._tiles import Tiles
 

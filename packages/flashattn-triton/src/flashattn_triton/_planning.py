@@ -152,7 +152,7 @@ class Problem:
 
     @property
     def uses_hopper(self) -> bool:
-        """Whether the Gluon kernels are among the candidates: where the dispatch table chose them (hopper)."""
+        """Whether the Gluon kernels are among the candidates: where the dispatch table chose them."""
         return self.hopper
 
 

@@ -66,7 +66,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _dispatch, _inputs, _launcher, _masks, _packed, feature_impl, torch_impl, triton_impl
+from flashattn_triton import (
+    _dispatch,
+    _inputs,
+    _launcher,
+    _masks,
+    _packed,
+    feature_impl,
+    torch_impl,
+    triton_impl,
+)
 
 UNBOUNDED = -1
 
@@ -102,11 +111,11 @@ _routes: dict[tuple, _dispatch.Description] = {}
 _MAX_ROUTES = 4096
 
 
-def _recognise_mask(q: Tensor, k: Tensor, options: dict[str, Any]) -> dict[str, Any]:
+def recognise_mask(q: Tensor, k: Tensor, options: dict[str, Any]) -> dict[str, Any]:
     """options with a mask that only encodes a top-left band (_masks) replaced by that band."""
     mask = options["attn_mask"]
-    if mask is None or options["cu_seqlens_q"] is not None or (options["window_left"], options["window_right"],
-                                                               options["diagonal_offset"]) != (UNBOUNDED, UNBOUNDED, 0):
+    band = (options["window_left"], options["window_right"], options["diagonal_offset"])
+    if mask is None or options["cu_seqlens_q"] is not None or band != (UNBOUNDED, UNBOUNDED, 0):
         return options
     band = _masks.band_of_mask(mask, q.shape[-2], k.shape[-2])
     if band is None:
@@ -169,10 +178,10 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
-    options = _recognise_mask(q, k, options)
+    options = recognise_mask(q, k, options)
     window_right = options["window_right"]
     backend = _route("fwd", (q, k, v), options)
-    if backend == _dispatch.TORCH:  # (PyTorch's results are contiguous: copied to q's layout where that differs)
+    if backend == _dispatch.TORCH:  # (PyTorch's results are contiguous: copied to q's layout if it differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
         return _inputs.in_output_layout(out, q), lse
     if backend in (_dispatch.TUNED, _dispatch.GLUON):
@@ -194,7 +203,7 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
-    options = _recognise_mask(q, k, options)
+    options = recognise_mask(q, k, options)
     window_right = options["window_right"]
     backend = _route("bwd", (q, k, v, out, grad_out), options, deterministic)
     if backend == _dispatch.TORCH:
