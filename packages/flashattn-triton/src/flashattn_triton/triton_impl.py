@@ -122,7 +122,8 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
         # not where a gradient of L joins D, which the preprocess path adds).
         delta_from_o = problem.small and precision != "tf32x3" and not grad_lse
-        mask_args = {**kernel_band(band, problem.seqlen_q, problem.seqlen_k), "CAUSAL": is_causal and band is None,
+        mask_args = {**kernel_band(band, problem.seqlen_q, problem.seqlen_k),
+                     "CAUSAL": is_causal and band is None,
                      "dropout_threshold": threshold(dropout_p), "dropout_scale": kept_scale(dropout_p),
                      "DROPOUT": dropout_p > 0.0}  # fmt: skip
         host = _inputs.host_descriptors(q.device)
