@@ -103,7 +103,20 @@ def test_no_tuning_inside_a_capture_or_a_trace(cache_dir, monkeypatch, where):
     assert timings.tunings == 0 and not list(cache_dir.rglob("*.json"))
     monkeypatch.undo()
     monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
     assert choose(cache, timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1  # later, outside
+
+
+def test_calls_never_tune_unless_asked(cache_dir, monkeypatch):
+    """Unset, FLASHATTN_TRITON_AUTOTUNE leaves an unknown class on its default (a first call never waits for
+    tuning); a choice an earlier tuning kept is still used."""
+    monkeypatch.delenv("FLASHATTN_TRITON_AUTOTUNE")
+    timings = Timings(3.0, 1.0, 2.0)
+    assert choose(_tuning.TuningCache(), timings, monkeypatch) == CANDIDATES[0] and timings.tunings == 0
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
+    assert choose(_tuning.TuningCache(), timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1
+    monkeypatch.delenv("FLASHATTN_TRITON_AUTOTUNE")
+    assert choose(_tuning.TuningCache(), Timings(1.0, 3.0, 2.0), monkeypatch) == CANDIDATES[1]
 
 
 def test_entries_of_other_processes_are_kept_and_stale_ones_ignored(cache_dir, monkeypatch):

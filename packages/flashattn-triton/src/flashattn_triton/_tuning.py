@@ -137,9 +137,9 @@ class TuningCache:
         if config is not None or defaults_only():
             return config
         name = "|".join(map(str, problem.size_key))
-        if device.type == "cuda" and capability is None:
+        if capability is None:  # (a described device's choices are the shipped ones only)
             config = self._decode(self._entries(self.file(device)).get(name), candidates)
-            capability = torch.cuda.get_device_capability(device)
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         if config is None and capability == (9, 0) and not _requested:
             config = self._decode(self._entries(SHIPPED).get(name), candidates)
         return config
