@@ -184,3 +184,37 @@ def test_candidate_lists_are_the_callers_own():
         before = list(first)
         first += first
         assert table(64, 2, False) == before
+
+
+def test_shipped_kernels_seed_an_empty_triton_cache_once(tmp_path, monkeypatch):
+    """The shipped archive's kernels land in Triton's cache with their group files naming them where they now
+    are; kernels already there are kept, and a second process reads nothing (the marker)."""
+    import io
+    import json
+    import tarfile
+
+    from flashattn_triton import _launcher
+
+    pytest.importorskip("triton")
+    group = json.dumps({"child_paths": {"k.cubin": _launcher.PORTABLE_ROOT + "abc/k.cubin"}}).encode()
+    archive = tmp_path / "kernels.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("abc/k.cubin", b"binary"), ("abc/__grp__k.json", group), ("abc/k.json", b"{}"),
+                           ("old/k.json", b"shipped")):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cache = tmp_path / "cache"
+    (cache / "old").mkdir(parents=True)
+    (cache / "old" / "k.json").write_text("mine")
+    monkeypatch.setattr(_launcher, "shipped_archive", lambda capability: archive)
+    monkeypatch.setattr(_launcher, "triton_cache_dir", lambda: cache)
+    assert _launcher.seed_triton_cache((9, 0)) == 1
+    assert (cache / "abc" / "k.cubin").read_bytes() == b"binary"
+    assert (cache / "old" / "k.json").read_text() == "mine"
+    paths = json.loads((cache / "abc" / "__grp__k.json").read_text())["child_paths"]
+    assert paths == {"k.cubin": str(cache / "abc" / "k.cubin")}
+    (cache / "abc" / "k.cubin").unlink()
+    assert _launcher.seed_triton_cache((9, 0)) == 0 and not (cache / "abc" / "k.cubin").exists()
+    monkeypatch.setenv("FLASHATTN_TRITON_SHIPPED_KERNELS", "0")
+    assert _launcher.seed_triton_cache((9, 0)) == 0

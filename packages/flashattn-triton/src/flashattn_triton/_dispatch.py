@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -250,6 +252,12 @@ class recording:  # noqa: N801 (a context manager, named as contextlib's are)
     def __exit__(self, *exc: object) -> None:
         global _recorded
         _recorded = self.outer
+
+
+def log(d: Description) -> None:
+    """With FLASHATTN_TRITON_LOG_ROUTES=1, each new problem's route to stderr (the first call of a layout)."""
+    if os.environ.get("FLASHATTN_TRITON_LOG_ROUTES", "0").strip().lower() in ("1", "true", "on", "yes"):
+        print(f"flashattn_triton route: {choose(d)} <- {d}", file=sys.stderr)
 
 
 def record(d: Description) -> None:

@@ -3,8 +3,6 @@ TF32 parts."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -12,12 +10,9 @@ from flashattn_triton import _launcher
 from flashattn_triton._planning import block_d
 
 MAX_HEAD_DIM = 256
-_TRUE = ("1", "true", "on", "yes")
 
 
-def interpret_requested() -> bool:
-    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+interpret_requested = _launcher.interpret_requested
 
 
 def check_head_dim(q: torch.Tensor) -> None:

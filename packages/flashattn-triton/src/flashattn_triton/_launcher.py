@@ -20,10 +20,13 @@ import functools
 import importlib.util
 import inspect
 import operator
+import os
+import tarfile
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -36,8 +39,11 @@ DIRECT_LAUNCH_TRITON = (3, 6)  # the Triton whose C launcher the direct launch c
 
 @functools.cache
 def kernels() -> ModuleType:
-    """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton)."""
+    """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton); on an
+    sm_90 GPU, Triton's cache first gets the compiled kernels shipped for this Triton (seed_triton_cache)."""
     try:
+        if not interpret_requested() and torch.cuda.is_available():
+            seed_triton_cache(torch.cuda.get_device_capability())
         from flashattn_triton import _kernels
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] != "triton":
@@ -47,6 +53,77 @@ def kernels() -> ModuleType:
             "CPU install flashattn-triton[interpret] (and set TRITON_INTERPRET=1), or use flash_attention() "
             "or FlashAttentionTorch.apply(), which run without it", name=exc.name) from exc
     return _kernels
+
+
+SHIPPED_KERNELS = Path(__file__).parent / "kernels"
+# Triton's cache keeps a compiled kernel as <cache>/<hash>/<files>, with a group file naming its files by
+# absolute path: shipped archives name them relative to the cache (PORTABLE_ROOT), made absolute here.
+PORTABLE_ROOT = "$TRITON_CACHE/"
+
+
+def shipped_archive(capability: tuple[int, int]) -> Path:
+    """The archive of compiled kernels shipped for this Triton on GPUs of capability (made by
+    lab/flashattn-triton/scripts/ship_kernels.py)."""
+    import triton
+
+    return SHIPPED_KERNELS / f"triton-{triton.__version__}-sm{capability[0]}{capability[1]}.tar.gz"
+
+
+def triton_cache_dir() -> Path:
+    """The directory of Triton's kernel cache (TRITON_CACHE_DIR, else its default)."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def seed_triton_cache(capability: tuple[int, int]) -> int:
+    """Add the compiled kernels shipped for this Triton and GPU to Triton's cache, those it lacks (a marker
+    file beside them records an archive already added): a fresh machine's first calls then load kernels
+    instead of compiling them. Kernels whose source or Triton build differ from the shipped ones have
+    other hashes and compile as usual. FLASHATTN_TRITON_SHIPPED_KERNELS=0 turns it off. Returns how many
+    kernels were added."""
+    if os.environ.get("FLASHATTN_TRITON_SHIPPED_KERNELS", "1").strip().lower() in _OFF:
+        return 0
+    archive = shipped_archive(capability) if triton_available() else None
+    if archive is None or not archive.is_file():
+        return 0
+    cache = triton_cache_dir()
+    marker = cache / f"flashattn_triton-{archive.name}-{archive.stat().st_size}.seeded"
+    if marker.exists():
+        return 0
+    added = 0
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and len(Path(m.name).parts) == 2]
+            for member in members:
+                target = cache / member.name
+                if target.exists():
+                    continue
+                data = tar.extractfile(member).read()
+                if Path(member.name).name.startswith("__grp__"):
+                    data = data.replace(PORTABLE_ROOT.encode(), (str(cache) + os.sep).encode())
+                target.parent.mkdir(exist_ok=True)
+                temporary = target.with_name(target.name + ".tmp")
+                temporary.write_bytes(data)
+                os.replace(temporary, target)  # (no reader sees half a file)
+                added += target.name.endswith(".json") and not target.name.startswith("__grp__")
+        marker.touch()
+    except (OSError, tarfile.TarError) as exc:  # a read-only cache, a torn archive: kernels compile instead
+        warnings.warn(f"flashattn_triton: could not add the shipped kernels to Triton's cache {cache}: {exc}",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+    return added
+
+
+_OFF = ("0", "false", "off", "no")
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 @functools.cache

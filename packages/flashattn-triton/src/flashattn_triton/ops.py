@@ -144,6 +144,7 @@ def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
             pass_name, q, k, tensors, mask=mask is not None, window=window,
             diagonal_offset=options["diagonal_offset"], dropout=options["dropout_p"] > 0.0, varlen=varlen,
             deterministic=deterministic)  # fmt: skip
+        _dispatch.log(description)
     _dispatch.record(description)
     return _dispatch.choose(description)
 
