@@ -107,7 +107,7 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _inputs.interpret_requested() and _launcher.triton_available()
 
 
-_routes: dict[tuple, _dispatch.Description] = {}
+_routes: dict[tuple, tuple[_dispatch.Description, str]] = {}  # by layout and options
 _MAX_ROUTES = 4096
 
 
@@ -134,19 +134,20 @@ def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
            *(t.data_ptr() % 16 for t in tensors), mask is None, window, options["diagonal_offset"],
            options["dropout_p"] > 0.0, cu_seqlens is None, options["max_seqlen_q"], options["max_seqlen_k"],
            deterministic)  # fmt: skip
-    description = _routes.get(key)
-    if description is None:
+    route = _routes.get(key)
+    if route is None:
         varlen = None if cu_seqlens is None else (cu_seqlens.numel() - 1, options["max_seqlen_q"],
                                                   options["max_seqlen_k"])  # fmt: skip
         if len(_routes) >= _MAX_ROUTES:
             _routes.clear()
-        description = _routes[key] = _dispatch.describe(
+        description = _dispatch.describe(
             pass_name, q, k, tensors, mask=mask is not None, window=window,
             diagonal_offset=options["diagonal_offset"], dropout=options["dropout_p"] > 0.0, varlen=varlen,
             deterministic=deterministic)  # fmt: skip
         _dispatch.log(description)
-    _dispatch.record(description)
-    return _dispatch.choose(description)
+        route = _routes[key] = (description, _dispatch.choose(description))
+    _dispatch.record(route[0])
+    return route[1]
 
 
 def _window(options: dict[str, Any]) -> tuple[int, int] | None:
