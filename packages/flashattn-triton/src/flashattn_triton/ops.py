@@ -59,6 +59,7 @@ exported, fake, meta and transformed calls, and calls under a dispatch mode, go 
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -117,7 +118,7 @@ def recognise_mask(q: Tensor, k: Tensor, options: dict[str, Any]) -> dict[str, A
     band = (options["window_left"], options["window_right"], options["diagonal_offset"])
     if mask is None or options["cu_seqlens_q"] is not None or band != (UNBOUNDED, UNBOUNDED, 0):
         return options
-    band = _masks.band_of_mask(mask, q.shape[-2], k.shape[-2])
+    band = _masks.band_of_mask(mask, q.shape[-2], k.shape[-2], remember=getattr(_eager, "active", False))
     if band is None:
         return options
     return {**options, "attn_mask": None, "window_left": band[0], "window_right": band[1]}
@@ -271,12 +272,19 @@ torch.library.register_autograd("flashattn_triton::attn_fwd", _backward, setup_c
                                 lib=_LIBRARY)  # fmt: skip
 
 
+_eager = threading.local()  # .active: inside _EagerAttention (masks read once per tensor: _masks)
+
+
 class _EagerAttention(torch.autograd.Function):
     """attn_fwd and its autograd, without the dispatcher (see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor]:
-        output = attention_forward(*inputs)
+        _eager.active = True
+        try:
+            output = attention_forward(*inputs)
+        finally:
+            _eager.active = False
         _setup_context(ctx, inputs, output)
         return output
 
@@ -289,7 +297,11 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def _eager_gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-    return _gradients(ctx, grad_out, grad_lse, attention_backward)
+    _eager.active = True
+    try:
+        return _gradients(ctx, grad_out, grad_lse, attention_backward)
+    finally:
+        _eager.active = False
 
 
 _eager_gradients_once = torch.autograd.function.once_differentiable(_eager_gradients)
