@@ -18,8 +18,10 @@ benchmarks.e2e --compile with FLASHATTN_TRITON_LOG_ROUTES=1).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,22 +36,33 @@ def cold(shape: str) -> None:
     batch, heads, seqlen, head_dim = map(int, shape.split("x"))
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))  # fmt: skip
-    times = []
+    times, compiled = [], []
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
+
+    def new_files(before: set[str]) -> list[str]:  # what Triton compiled (rather than loaded) since before
+        now = {f"{p.parent.name[:6]}/{p.name}" for p in cache.glob("*/*") if not p.name.startswith("__grp__")}
+        return sorted(name for name in now - before if name.endswith((".json", ".so")))
+
     for _ in range(2):
+        before = set(new_files(set()))
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = flashattn_triton.flash_attention(q, k, v, is_causal=True)
         torch.cuda.synchronize()
         forward = time.perf_counter() - start
-        out.sum().backward()
+        after_forward = set(new_files(set()))
+        out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         times.append((forward, time.perf_counter() - start - forward))
+        compiled.append((new_files(before), new_files(after_forward)))
     explained = flashattn_triton.explain(q, k, v, is_causal=True)
     print(json.dumps({"shape": shape, "import s": round(imported, 3),
                       "first forward s": round(times[0][0], 3), "first backward s": round(times[0][1], 3),
                       "first call s": round(sum(times[0]), 3),
                       "second call ms": round(sum(times[1]) * 1e3, 3),
-                      "backend": f"{explained.forward.backend}/{explained.backward.backend}"}))
+                      "backend": f"{explained.forward.backend}/{explained.backward.backend}",
+                      "compiled by the first forward": compiled[0][0],
+                      "compiled by the first backward": compiled[0][1]}))
 
 
 def _per_call(fn, calls: int = 2000) -> float:
@@ -132,11 +145,11 @@ def hf() -> None:
                                                is_causal=is_causal, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
 
-    AttentionInterface.register("flashattn_triton", attention)
-    AttentionMaskInterface.register("flashattn_triton", sdpa_mask)
+    AttentionInterface.register("triton_fa2_attention", attention)  # (a name with "flash" means a hub kernel)
+    AttentionMaskInterface.register("triton_fa2_attention", sdpa_mask)
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2,
                          num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
-                         attn_implementation="flashattn_triton")  # fmt: skip
+                         attn_implementation="triton_fa2_attention")  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
     tokens = torch.randint(0, 32000, (4, 2048), device="cuda")
