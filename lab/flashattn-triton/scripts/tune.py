@@ -1,6 +1,6 @@
 """Time every candidate config of the Triton kernels on this GPU, next to SDPA's flash and cuDNN backends.
 
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/tune.py --out tune.csv
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/tune.py --out tune.csv
 
 The candidates are _planning.candidates(problem), the function the launcher tunes among at run time.
 A pool of worker processes first compiles every candidate for the shapes' specializations (Triton's
