@@ -11,7 +11,7 @@ triton.testing.do_bench (median) and its result checked against SDPA's; the tabl
 drops probabilities (SDPA's too), the candidates are those of dropout problems, and results are checked
 against the PyTorch path with the same (seed, offset) instead, which drops the same ones:
 
-    python packages/flashattn-triton/scripts/tune.py --shapes 32x4096x64 --fp32-shapes "" --dropout 0.1
+    python lab/flashattn-triton/scripts/tune.py --shapes 32x4096x64 --fp32-shapes "" --dropout 0.1
 """
 
 from __future__ import annotations
