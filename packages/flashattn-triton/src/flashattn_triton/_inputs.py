@@ -133,8 +133,8 @@ def input_precision(dtype: torch.dtype) -> str:
 def host_descriptors(device: torch.device) -> bool:
     """Whether the host builds the tensor descriptors: on Hopper and later, and for the interpreter.
     Otherwise the kernels get pointers to contiguous tensors and build them (on GPUs before Hopper, as
-    ordinary loads). A kernel-built descriptor costs every program a write and a fence: about 4 us of a
-    forward on an H100 and 14 us of a backward (decisions.md#host-descriptors), while the host encodes
+    ordinary loads). A kernel-built descriptor costs every program a write and a fence, which a small
+    problem's kernel time notices, while the host encodes
     its own once per address (_launcher.LaunchArgs)."""
     if device.type != "cuda":
         return True

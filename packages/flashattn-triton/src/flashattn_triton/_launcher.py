@@ -3,7 +3,7 @@
 A ``Launcher`` is one kernel with one config and grid, called with the kernel's arguments by name. Its first
 call goes through Triton's JIT, which compiles (or finds) the specialization for its arguments; later calls
 launch that compiled kernel directly, skipping the JIT's per-call binding and specializing of every
-argument (most of a small problem's host time, decisions.md#direct-launch). That direct launch goes
+argument (most of a small problem's host time). That direct launch goes
 into Triton's C launch function (``CudaLauncher``), encodes host-built descriptors with
 ``make_tensordesc_arg``, unwraps Triton's descriptor wrapper with ``inspect.getclosurevars`` and reads
 the raw CUDA stream from ``torch._C``: private interfaces, used only with the Triton version whose
@@ -170,7 +170,7 @@ def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there.
     A fresh allocation each launch (the caching allocator hands back the same block, stream-ordered): a
     buffer kept between launches would, if first made during a warm-up of torch.compile's CUDA graph trees,
-    hold memory of the graph's pool that the trees hand to other tensors (decisions.md#no-kept-buffers)."""
+    hold memory of the graph's pool that the trees hand to other tensors."""
     return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
@@ -207,7 +207,7 @@ def gpu_milliseconds(fn: Callable[[], None], rep_ms: float) -> float:
     behind a sleep kernel (``torch.cuda._sleep``, private torch) that lasts longer than the host takes to
     queue them, so the GPU runs them back to back. Timed as ordinary calls, a small problem's configs
     measure the host's time per call (a split forward's second launch: slower), and the choice depends
-    on the host and the moment (decisions.md#tuning-gpu-time)."""
+    on the host and the moment."""
     fn()  # (compiles, fills caches)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -324,7 +324,7 @@ class LaunchArgs:
     (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address, shape,
     strides and dtype and the tile, and a Launcher's plan and config fix all else (every shape, stride and
     scalar argument, see Launcher), so repeated addresses skip the TensorDescriptors and their encoding
-    (about 10 us of host time each, 4 a forward and 11 a backward)."""
+    (host time a small problem notices: a forward has 4, a backward 11)."""
 
     MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
 
@@ -404,7 +404,7 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple],
     the direct launch was tested with and no launch hook is set; else through the JIT's own runner.
     Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
     for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
-    every tensor: about half of a small problem's host time a pass (decisions.md#direct-launch)."""
+    every tensor: about half of a small problem's host time a pass."""
     runner = kernel[grid]
     device = torch.cuda.current_device()
 

@@ -171,7 +171,7 @@ class TuningCache:
     @staticmethod
     def _decode(entry: dict | None, candidates: list) -> Any:
         """The candidate an entry names, or None: no entry, or one chosen among other candidates (a release
-        that adds one, as session 16's d = 128 backward kernels, has it timed rather than never tried)."""
+        that adds one has it timed rather than never tried)."""
         if not isinstance(entry, dict) or entry.get("candidates") != [describe(c) for c in candidates]:
             return None
         return next((c for c in candidates if dataclasses.asdict(c) == entry.get("config")), None)

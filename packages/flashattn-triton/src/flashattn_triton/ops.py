@@ -55,8 +55,8 @@ plain or causal (not float32 at full accuracy), and for everything else the feat
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
-``fill_defaults``, the redispatch) and a second op for the backward cost about 0.9 ms of host time a
-forward and backward, four times a small problem's kernels (decisions.md#eager-autograd). Compiled,
+``fill_defaults``, the redispatch) and a second op for the backward cost host time several times a small
+problem's kernel time. Compiled,
 exported, fake and meta calls, and calls under a dispatch mode, go through the ops; calls under a
 ``torch.func`` transform or forward-mode AD through ``_TransformedAttention``, an autograd.Function around
 them that the transforms take. Where a graph of the gradients is built (``create_graph=True``, and every
@@ -340,7 +340,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
         # Through the op only where a graph of the gradients is built; elsewhere the dispatcher (and
-        # _GradientsOnce's wrapper) is host time (decisions.md#once-differentiable).
+        # _GradientsOnce's wrapper) is host time.
         backward = _GradientsOnce.apply if torch.is_grad_enabled() else attention_backward
         _eager.active = True
         try:

@@ -405,8 +405,7 @@ class FlashAttentionTriton(AttentionFunction):
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         # once_differentiable only under create_graph=True, where its gradients must refuse a second
-        # differentiation; elsewhere its wrapper is host time a small problem notices
-        # (decisions.md#once-differentiable).
+        # differentiation; elsewhere its wrapper is host time a small problem notices.
         return (_gradients_once if torch.is_grad_enabled() else _gradients)(ctx, grad_out)
 
 
