@@ -46,12 +46,10 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
 (optional) is the gradient of lse, for callers who use it. ``deterministic``: bitwise repeatable
 gradients (no atomics), set from ``torch.are_deterministic_algorithms_enabled()``.
 
-Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
-missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention and for top-left bands (sliding windows) with Tq = Tk, each grouped-query or not (query
-head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for packed sequences,
-plain or causal (not float32 at full accuracy), and for everything else the feature kernels
-(feature_impl, whose backward has no atomics).
+Every argument is supported on every path. Which path runs a call (the Gluon kernels for Hopper, the tuned
+Triton kernels, the feature kernels or the PyTorch path) is the dispatch table's answer (_dispatch), from
+the description of the call that ``_route`` makes; a mask that only encodes a band runs as that band
+(_masks).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
