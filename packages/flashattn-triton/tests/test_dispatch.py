@@ -182,3 +182,23 @@ def test_inductor_strides_and_a_traced_causal_mask_run_the_gluon_kernels_on_sm90
     assert [d.pass_name for d in seen] == ["fwd", "bwd"]
     assert all(d.mask == "none" and d.causal for d in seen), seen
     assert all(_dispatch.choose(on_sm90(d)) == GLUON for d in seen), seen
+
+
+def test_tune_asks_for_tuning_only_while_it_runs_and_answers_as_explain():
+    """tune() runs the problem's forward and backward with tuning asked for (here on the PyTorch path, which
+    has nothing to tune), then leaves calls untuned again and answers what explain() answers."""
+    from flashattn_triton import _tuning
+
+    q, k, v = (torch.randn(1, 2, 64, 32) for _ in range(3))
+    seen = []
+    original = flashattn_triton.functional.flash_attention
+
+    def spy(*args, **kwargs):
+        seen.append(_tuning.autotune_enabled())
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flashattn_triton.functional, "flash_attention", spy)
+        tuned = flashattn_triton.tune(q, k, v, is_causal=True)
+    assert seen == [True] and not _tuning._requested
+    assert tuned == flashattn_triton.explain(q, k, v, is_causal=True, grad=True)
