@@ -202,3 +202,22 @@ def test_tune_asks_for_tuning_only_while_it_runs_and_answers_as_explain():
         tuned = flashattn_triton.tune(q, k, v, is_causal=True)
     assert seen == [True] and not _tuning._requested
     assert tuned == flashattn_triton.explain(q, k, v, is_causal=True, grad=True)
+
+
+def test_a_route_is_remembered_per_float32_precision(monkeypatch):
+    """Packed float32 sequences at full accuracy (tf32x3) are the feature kernels', with TF32 the tuned
+    kernels': a remembered route must follow torch.set_float32_matmul_precision between calls."""
+    monkeypatch.setattr(_dispatch, "machine", lambda device: (SM90, True, True))
+    q, k, v = (torch.randn(300, 2, 64) for _ in range(3))
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    options = {"attn_mask": None, "dropout_p": 0.0, "rng_state": None, "scale": 0.125, "window_left": -1,
+               "window_right": 0, "diagonal_offset": 0, "cu_seqlens_q": cu, "cu_seqlens_k": cu,
+               "max_seqlen_q": 200, "max_seqlen_k": 200}  # fmt: skip
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert ops._route("fwd", (q, k, v), options) == TUNED
+        torch.set_float32_matmul_precision("highest")
+        assert ops._route("fwd", (q, k, v), options) == FEATURES
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -137,10 +137,10 @@ def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
     q, k = tensors[0], tensors[1]
     mask, cu_seqlens = options["attn_mask"], options["cu_seqlens_q"]
     window = (options["window_left"], options["window_right"])
-    key = (pass_name, q.dtype, q.device, q.shape, k.shape, *(t.stride() for t in tensors),
-           *(t.data_ptr() % 16 for t in tensors), mask is None, window, options["diagonal_offset"],
-           options["dropout_p"] > 0.0, cu_seqlens is None, options["max_seqlen_q"], options["max_seqlen_k"],
-           deterministic)  # fmt: skip
+    key = (pass_name, q.dtype, _inputs.input_precision(q.dtype), q.device, q.shape, k.shape,
+           *(t.stride() for t in tensors), *(t.data_ptr() % 16 for t in tensors), mask is None, window,
+           options["diagonal_offset"], options["dropout_p"] > 0.0, None if cu_seqlens is None else
+           cu_seqlens.shape, options["max_seqlen_q"], options["max_seqlen_k"], deterministic)  # fmt: skip
     route = _routes.get(key)
     if route is None:
         varlen = None if cu_seqlens is None else (cu_seqlens.numel() - 1, options["max_seqlen_q"],
