@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from flashattn_triton._launcher import gpu_milliseconds, out_of_resources
+from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources
 from flashattn_triton._planning import Problem, describe
 
 # The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
@@ -42,17 +42,13 @@ ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and the GPU time queued 
 _requested = False  # set by flashattn_triton.tune()
 
 
-def _autotune_setting() -> str:
-    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "").strip().lower()
-
-
 def autotune_enabled() -> bool:
     """Whether a class with no known choice is tuned: only when asked (see the module docstring)."""
-    return _requested or _autotune_setting() in ("1", "true", "on", "yes")
+    return _requested or env_flag("FLASHATTN_TRITON_AUTOTUNE", False)
 
 
 def defaults_only() -> bool:
-    return not _requested and _autotune_setting() in ("0", "false", "off", "no")
+    return not _requested and not env_flag("FLASHATTN_TRITON_AUTOTUNE", True)
 
 
 def default_config(candidates: list, problem: Problem) -> Any:
