@@ -3,13 +3,13 @@
 A class's config is, first found: the choice tuned in this process or kept on disk by an earlier tuning on
 this machine (a JSON file per GPU and software versions under ``$FLASHATTN_TRITON_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashattn_triton``, else ``~/.cache/flashattn_triton``, in a subdirectory of the file
-format's version); the choice shipped with the package for sm_90 GPUs (``tuned/sm90.json``, made by
-lab/flashattn-triton/scripts/tune.py on an H100/H200); else the default (``default_config``: the Gluon
-kernels' first config where the dispatch table chose them, else the Triton-language kernels' first). A first
-call never waits for tuning: tuning runs only when asked, with ``FLASHATTN_TRITON_AUTOTUNE=1`` or
-``flashattn_triton.tune(...)``, and never while a CUDA graph is captured or torch.compile traces.
-``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only (no files, nothing shipped).
-``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
+format's version); the choice shipped with the package for sm_90 GPUs (``tuned/sm90.json``, a tuning
+cache file of an H100/H200, where the package holds one: this release holds none); else the default
+(``default_config``: the Gluon kernels' first config where the dispatch table chose them, else the
+Triton-language kernels' first). A first call never waits for tuning: tuning runs only when asked, with
+``FLASHATTN_TRITON_AUTOTUNE=1`` or ``flashattn_triton.tune(...)``, and never while a CUDA graph is
+captured or torch.compile traces. ``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only (no files,
+nothing shipped). ``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
 """
 
 from __future__ import annotations
