@@ -125,11 +125,12 @@ def train_accumulating(ddp: nn.Module, rank: int, world_size: int) -> None:
         opt.zero_grad()
 
 
-def train_uneven(ddp: nn.Module, rank: int, world_size: int, divide: bool) -> None:
-    """Rank r has 2 + r batches; join() lets the others go on without it."""
+def train_uneven(ddp: nn.Module, rank: int, world_size: int, divide: bool, fewest: int = 2) -> None:
+    """Rank r has ``fewest`` + r batches; join() lets the others go on without it. With ``fewest=0``
+    rank 0 joins before any backward, and takes part in the others' bucket rebuild from its shadow."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with ddp.join(divide_by_initial_world_size=divide):
-        for step in range(2 + rank):
+        for step in range(fewest + rank):
             loss_of(ddp, *batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
@@ -196,6 +197,8 @@ CASES: dict[str, tuple[type[nn.Module], dict[str, Any], Callable, Callable, Call
     **{f"join-divide-{divide}": (Net, {}, lambda d, r, w, divide=divide: train_uneven(d, r, w, divide),
                                  lambda d, r, w, divide=divide: train_uneven(d, r, w, divide), None)
        for divide in (True, False)},
+    "join-from-none": (Net, {}, lambda d, r, w: train_uneven(d, r, w, True, fewest=0),
+                       lambda d, r, w: train_uneven(d, r, w, True, fewest=0), None),
     "recovery": (Failing, {}, train_through_failures, train_without_failures, None),
 }
 NAMES = [f"{strategy}/{case}" for strategy, case in itertools.product(STRATEGIES, CASES)]
