@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue 45 on one machine of up to 4 GPUs (nvidia-h200-x4), in one call of under 9 minutes:
 #   1. all-reduce bus bandwidth at 2 and 4 GPUs (NCCL);
-#   2. BucketedDDP at 25 MiB against torch DDP at 2 GPUs, twice (the step spread is 20-30 ms), in both orders;
+#   2. BucketedDDP at 25 MiB against torch DDP at 2 GPUs, twice (the step spread is 20-30 ms), in both orders,
+#      then the profile of one step of each at 2 GPUs (scripts/ddp_profile.py): NCCL time, and how much of
+#      it no other kernel hid ("nccl exposed ms"), hook and host times;
 #   3. FSDP (minddp) against torch FSDP2 at 2 and 4 GPUs (xl, bf16 compute by default);
 #   4. scaling at a fixed per-GPU batch, 1 -> 2 -> 4 GPUs, of BucketedDDP, torch DDP, minddp FSDP and FSDP2;
+#   5. if time is left: FSDP at 2.7B (bf16) and at xl in fp32, on the most GPUs;
 #   then a summary (apps/benchmarks/scripts/multigpu_summary.py): the tables, and the scaling table written
 #   as multigpu_scaling.csv/.md.
 #
@@ -13,7 +16,7 @@
 # OUT_DIR/summary.md (the tables) and OUT_DIR/results.tgz: results/<device>/<run>.csv and .md, one pair per
 # run, named so the report picks them up (allreduce_*, ddp_*, fsdp_*), plus logs/<run>.log. Steps run in
 # order of importance and each is skipped, said so in the log, when its estimate would pass BUDGET_S; each
-# is killed at its own limit, so one hang costs one step.
+# is killed (with its ranks) at its own limit, and none runs past BUDGET_S + 30 s, so a hang costs one step.
 #
 # Without GPUs it runs the same steps on CPU processes (gloo) at the tiny size: that is how it is tested
 #   SIZE=tiny BATCH=2 CONTEXT=32 COUNTS="1 2" bash apps/benchmarks/scripts/multigpu_runs.sh /tmp/mg
@@ -22,7 +25,7 @@
 #   PYTHON=python3  COUNTS="1 2 4" (GPU counts; the DDP comparison runs at 2)  BUDGET_S=480
 #   SIZE=xl PRECISION=bf16 BATCH=4 CONTEXT=512 (per GPU, every run)  BUCKET_MB=25
 #   DDP_WARMUP=3 DDP_STEPS=15     FSDP_WARMUP=2 FSDP_ITERS=5
-#   FSDP_SIZES=xl FSDP_COMPUTE=bf16 (e.g. FSDP_SIZES="xl 2.7B" FSDP_COMPUTE=bf16,fp32 when time allows)
+#   FSDP_SIZES=xl FSDP_COMPUTE=bf16 (at 2 and 4 GPUs)   EXTRAS=1 (0: no step 5)
 #   ALLREDUCE_SIZES_MB=1,10,100,1024
 set -uo pipefail
 OUT=${1:?usage: multigpu_runs.sh OUT_DIR}
@@ -51,6 +54,7 @@ step() {
     echo "=== $name: skipped (${estimate} s from ${SECONDS} s would pass BUDGET_S=${BUDGET_S})"; return
   fi
   local start=$SECONDS
+  [ "$limit" -gt $((BUDGET_S + 30 - SECONDS)) ] && limit=$((BUDGET_S + 30 - SECONDS))
   echo "=== $name (${SECONDS} s in; estimate ${estimate} s, limit ${limit} s)"
   timeout --kill-after=10 "$limit" "$@" --results-dir "$RUNS/$name" > "$LOGS/$name.log" 2>&1
   local rc=$?
@@ -71,24 +75,29 @@ step() {
   echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE; per GPU: $SIZE $PRECISION, batch ${BATCH}x${CONTEXT}"
 
   # 1. All-reduce bus bandwidth at every count above one GPU.
-  [ -n "$MULTI" ] && step "allreduce_${BACKEND}_x${MULTI//,/_}" 60 150 $PY -m benchmarks.allreduce \
+  [ -n "$MULTI" ] && step "allreduce_${BACKEND}_x${MULTI//,/_}" 35 150 $PY -m benchmarks.allreduce \
       --backends "$BACKEND" --world-sizes "$MULTI" --sizes-mb "$ALLREDUCE_SIZES_MB" --timeout 140
 
   # 2. and 4. DDP: BucketedDDP against torch DDP, the bare model ("single") as reference; at 2 GPUs twice,
   # the second run in the other order, so neither wrapper always runs first after the reference.
   ddp() {  # ddp NAME NPROC STRATEGIES
-    step "$1" 75 200 $PY -m benchmarks.ddp --nproc "$2" --backend "$BACKEND" --strategy "$3" \
+    step "$1" 45 200 $PY -m benchmarks.ddp --nproc "$2" --backend "$BACKEND" --strategy "$3" \
         --bucket-mb "$BUCKET_MB" --size "$SIZE" --precision "$PRECISION" --batch "$BATCH" --context "$CONTEXT" \
         --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --timeout 190
   }
   ddp ddp_2gpu_a 2 bucketed,torch
   ddp ddp_2gpu_b 2 torch,bucketed
+  step profile_ddp_2gpu 50 200 $PY "$ROOT/apps/benchmarks/scripts/ddp_profile.py" --nproc 2 --size "$SIZE" \
+      --configs single,bucketed,torch --bucket-mb "$BUCKET_MB" --batch "$BATCH" --context "$CONTEXT" \
+      --warmup "$DDP_WARMUP" --steps 5 --timeout 190
 
   # ---- FSDP: the one place to adapt when benchmarks.fsdp changes (e.g. minddp.fully_shard's strategy name).
   FSDP_STRATEGIES=${FSDP_STRATEGIES:-torch-fsdp2,minddp-fsdp}
-  fsdp() {  # fsdp NPROC SIZE
-    step "fsdp_${2}_${FSDP_COMPUTE//,/_}_${1}gpu" 60 200 $PY -m benchmarks.fsdp --nproc "$1" --device "$FSDP_DEVICE" \
-        --size "$2" --compute "$FSDP_COMPUTE" --strategies "$FSDP_STRATEGIES" --batch-size "$BATCH" \
+  fsdp() {  # fsdp NPROC SIZE [COMPUTE]
+    local compute=${3:-$FSDP_COMPUTE} estimate=35
+    { [ "$2" = 2.7B ] || [[ $compute == *fp32* ]]; } && estimate=50
+    step "fsdp_${2}_${compute//,/_}_${1}gpu" "$estimate" 200 $PY -m benchmarks.fsdp --nproc "$1" \
+        --device "$FSDP_DEVICE" --size "$2" --compute "$compute" --strategies "$FSDP_STRATEGIES" --batch-size "$BATCH" \
         --context-length "$CONTEXT" --warmup "$FSDP_WARMUP" --iters "$FSDP_ITERS" --timeout 190
   }
   for n in ${MULTI//,/ }; do for size in $FSDP_SIZES; do fsdp "$n" "$size"; done; done
@@ -100,6 +109,14 @@ step() {
     ddp "ddp_${n}gpu" "$n" bucketed,torch
     [ "$n" -eq 1 ] && fsdp 1 "$SIZE"
   done
+
+  # 5. If time is left: FSDP at 2.7B, and in fp32, on the most GPUs, then 2.7B on the others.
+  if [ "${EXTRAS:-1}" = 1 ] && [ -n "$MULTI" ]; then
+    most=${MULTI##*,}
+    [[ " $FSDP_SIZES " == *" 2.7B "* ]] || fsdp "$most" 2.7B
+    [ "$FSDP_COMPUTE" = fp32 ] || fsdp "$most" "$SIZE" fp32
+    for n in ${MULTI//,/ }; do [ "$n" = "$most" ] || [[ " $FSDP_SIZES " == *" 2.7B "* ]] || fsdp "$n" 2.7B; done
+  fi
 
   echo "=== summary (${SECONDS} s in)"
   $PY "$ROOT/apps/benchmarks/scripts/multigpu_summary.py" "$RESULTS" --out "$OUT/summary.md"

@@ -1,11 +1,14 @@
 """The tables of issue 45 from the results of ``multigpu_runs.sh``: DDP against torch DDP, FSDP against
 FSDP2, all-reduce bus bandwidth, and scaling at a fixed per-GPU batch.
 
-Reads ``RESULTS/<device>/{ddp_*,fsdp_*,allreduce_*}.csv`` (as ``multigpu_runs.sh`` names them: the GPU
-count is each file's own metadata, so any names with those prefixes work) and prints four tables:
+Reads ``RESULTS/<device>/{ddp_*,profile_ddp_*,fsdp_*,allreduce_*}.csv`` (as ``multigpu_runs.sh`` names
+them: the GPU count is each file's own metadata, so any names with those prefixes work) and prints five
+tables:
 
 - DDP: per run, the bare model's step (``single``), BucketedDDP's and torch DDP's (mean ± std over the
   timed steps, the slowest rank's), their ratio, and each one's exposed communication (step - single).
+- DDP profile (``scripts/ddp_profile.py``): per configuration, NCCL kernel time, the part of it no other
+  kernel overlapped, hook and host times, idle device time.
 - FSDP: per run, minddp's and FSDP2's iteration time and peak memory per rank, and the ratios.
 - All-reduce: bus bandwidth per world size and size.
 - Scaling: per strategy and GPU count, the step time (mean over the runs at that count), tokens per second
@@ -83,6 +86,14 @@ def fsdp_table(runs: Runs) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def profile_table(runs: Runs) -> pd.DataFrame:
+    frames = [df.assign(run=name, GPUs=int(meta["ranks"])) for name, df, meta in runs]
+    if not frames:
+        return pd.DataFrame()
+    table = pd.concat(frames, ignore_index=True)
+    return table[["run", "GPUs", *[c for c in table.columns if c not in ("run", "GPUs")]]]
+
+
 def allreduce_table(runs: Runs) -> pd.DataFrame:
     frames = [df[["backend", "world size", "size (MiB)", "median ms", "bus GB/s"]] for _, df, _ in runs]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -135,13 +146,15 @@ def write_table(df: pd.DataFrame, folder: Path, name: str, meta: dict[str, str])
 
 
 def summarize(folder: Path) -> str:
-    """The four tables of one device's results folder, as Markdown; writes the scaling table beside them."""
+    """The five tables of one device's results folder, as Markdown; writes the scaling table beside them."""
     ddp, fsdp, allreduce = load(folder, "ddp"), load(folder, "fsdp"), load(folder, "allreduce")
     first = next((meta for _, _, meta in ddp + fsdp), {})
     model, compute = first.get("model", "?"), first.get("precision", "bf16")
     sections = [
         ("BucketedDDP (25 MiB) against torch DDP, step ms (mean over the timed steps, slowest rank)",
          ddp_table(ddp)),
+        ("DDP profile: NCCL time, and the part no other kernel hid (one profiled step, rank 0)",
+         profile_table(load(folder, "profile_ddp"))),
         ("minddp FSDP against torch FSDP2: iteration ms and peak memory per rank", fsdp_table(fsdp)),
         ("All-reduce bus bandwidth", allreduce_table(allreduce)),
         (f"Scaling at a fixed per-GPU batch ({model}, {compute})",
