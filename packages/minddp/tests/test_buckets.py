@@ -141,10 +141,10 @@ def test_buckets_are_rebuilt_in_the_order_backward_produced_the_gradients_as_tor
 
 def test_a_parameter_registered_after_its_use_holds_back_no_bucket_once_rebuilt(single_rank_group,
                                                                                   monkeypatch):
-    launched: list[torch.Tensor] = []
+    launched: list[torch.Tensor] = []  # gradient buckets only, not integer flags
     all_reduce = dist.all_reduce
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **kw: launched.append(tensor) or
-                        all_reduce(tensor, *a, **kw))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **kw: (
+        tensor.is_floating_point() and launched.append(tensor)) or all_reduce(tensor, *a, **kw))
     model = OutOfOrder()
     ddp = BucketedDDP(model, bucket_size_mb=0)  # one parameter a bucket
     launched_before_embed: list[int] = []  # when the last gradient of backward is computed
