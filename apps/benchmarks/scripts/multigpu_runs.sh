@@ -6,20 +6,21 @@
 #      it no other kernel hid ("nccl exposed ms"), hook and host times;
 #   3. FSDP (minddp) against torch FSDP2 at 2 and 4 GPUs (xl, bf16 compute by default);
 #   4. scaling at a fixed per-GPU batch, 1 -> 2 -> 4 GPUs, of BucketedDDP, torch DDP, minddp FSDP and FSDP2;
-#   5. if time is left: FSDP at 2.7B (bf16) and at xl in fp32, on the most GPUs;
+#   5. if time is left: FSDP at 2.7B (bf16) and at xl in fp32 on the most GPUs, then 2.7B on the others;
 #   then a summary (apps/benchmarks/scripts/multigpu_summary.py): the tables, and the scaling table written
 #   as multigpu_scaling.csv/.md.
 #
 #   bash apps/benchmarks/scripts/multigpu_runs.sh OUT_DIR
 #
-# Run from anywhere; it finds the repository from its own path. Writes OUT_DIR/log.txt (everything printed),
-# OUT_DIR/summary.md (the tables) and OUT_DIR/results.tgz: results/<device>/<run>.csv and .md, one pair per
-# run, named so the report picks them up (allreduce_*, ddp_*, fsdp_*), plus logs/<run>.log. Steps run in
+# Run from anywhere; it finds the repository from its own path. Leaves three files in OUT_DIR (a device
+# call brings back only a few): log.txt (everything printed), summary.md (the tables) and results.tgz:
+# results/<device>/<run>.csv and .md, one pair per run, named so the report picks them up (allreduce_*,
+# ddp_*, fsdp_*; profile_ddp_* and multigpu_scaling beside them), and logs/<run>.log. Steps run in
 # order of importance and each is skipped, said so in the log, when its estimate would pass BUDGET_S; each
 # is killed (with its ranks) at its own limit, and none runs past BUDGET_S + 30 s, so a hang costs one step.
 #
 # Without GPUs it runs the same steps on CPU processes (gloo) at the tiny size: that is how it is tested
-#   SIZE=tiny BATCH=2 CONTEXT=32 COUNTS="1 2" bash apps/benchmarks/scripts/multigpu_runs.sh /tmp/mg
+#   SIZE=tiny BATCH=2 CONTEXT=32 COUNTS="1 2" EXTRAS=0 bash apps/benchmarks/scripts/multigpu_runs.sh /tmp/mg
 #
 # Environment overrides (defaults for 4 H200s):
 #   PYTHON=python3  COUNTS="1 2 4" (GPU counts; the DDP comparison runs at 2)  BUDGET_S=480
@@ -124,4 +125,4 @@ step() {
 } 2>&1 | tee "$OUT/log.txt"
 
 # Only a few files come back from the device machine: the results and logs packed into one.
-tar czf "$OUT/results.tgz" -C "$OUT" results logs && rm -rf "$RUNS"
+tar czf "$OUT/results.tgz" -C "$OUT" results logs && rm -rf "$RUNS" "$RESULTS" "$LOGS"
