@@ -45,6 +45,9 @@ rm -rf "$RUNS" "$RESULTS" "$LOGS"; mkdir -p "$RUNS" "$RESULTS" "$LOGS"
 
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$GPUS" -gt 0 ]; then BACKEND=nccl; FSDP_DEVICE=cuda; else BACKEND=gloo; FSDP_DEVICE=cpu; fi
+if [ "$GPUS" -gt 0 ]; then  # only the counts this machine has (a 2-GPU machine runs 1 and 2)
+  COUNTS=$(for n in $COUNTS; do [ "$n" -le "$GPUS" ] && echo "$n"; done | paste -sd' ' -)
+fi
 MULTI=$(for n in $COUNTS; do [ "$n" -gt 1 ] && echo "$n"; done | paste -sd, -)  # the counts above one GPU
 
 # step NAME ESTIMATE_S LIMIT_S COMMAND...: run COMMAND (with --results-dir $RUNS/NAME) unless its estimate
