@@ -44,7 +44,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import save_results
+from benchmarks.common import (
+    ArgumentParser,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    save_results,
+)
 from benchmarks.ddp import wrap
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import reducer
@@ -215,20 +222,21 @@ def profile_on_rank(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=list(MODEL_SIZES),
                         default="xl" if torch.cuda.is_available() else "tiny")
     parser.add_argument("--configs", default="single,bucketed,torch",
                         help=f"comma-separated among {', '.join(CONFIGS)}")
-    parser.add_argument("--nproc", type=int, default=1,
+    parser.add_argument("--nproc", type=positive_int, default=1,
                         help="ranks (one GPU each with NCCL, else CPU processes with gloo)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--context", type=positive_int, default=512)
+    parser.add_argument("--bucket-mb", type=nonnegative_float, default=25.0)
+    parser.add_argument("--warmup", type=nonnegative_int, default=3)
+    parser.add_argument("--steps", type=positive_int, default=5)
     parser.add_argument("--trace", default=None, help="a folder for each profiled step's Chrome trace")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")
+    parser.add_argument("--timeout", type=positive_float, default=600,
+                        help="seconds before the ranks are killed")
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="also write the table as <results-dir>/<device>/ddp_profile.csv and .md")
     args = parser.parse_args()
@@ -236,8 +244,8 @@ def main() -> None:
     if "single" not in args.configs or not set(args.configs) <= set(CONFIGS):
         parser.error(f"--configs: 'single' and any of {', '.join(CONFIGS[1:])}")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if args.nproc < 1 or (backend == "nccl" and args.nproc > torch.cuda.device_count()):
-        parser.error(f"--nproc: between 1 and the GPU count, got {args.nproc}")
+    if backend == "nccl" and args.nproc > torch.cuda.device_count():
+        parser.error(f"--nproc: at most the GPU count ({torch.cuda.device_count()}), got {args.nproc}")
 
     per_rank = spawn(profile_on_rank, args.nproc, (args,), backend=backend, timeout_s=args.timeout)
     rows = per_rank[0]

@@ -16,7 +16,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import ResultsNotSaved, console, make_parser, parse_args, str_list
+from benchmarks.common import NothingMeasured, ResultsNotSaved, console, make_parser, parse_args, str_list
 
 CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models on "
             "shared CPU cores). They show that each experiment runs, not how fast anything is: a difference "
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             status = module.main([*module.TOUR_ARGS, *shared])
             ok = not (isinstance(status, int) and status != 0)  # mains return an exit status, a table or None
             outcomes.append((name, "ok" if ok else "FAILED", time.perf_counter() - start))
-        except (Exception, ResultsNotSaved):  # a failed save ends that experiment, not the tour
+        except (Exception, ResultsNotSaved, NothingMeasured):  # a save failed or refused: only this one ends
             console.print(traceback.format_exc(), style="red")
             outcomes.append((name, "FAILED", time.perf_counter() - start))
     console.rule("[bold]tour")

@@ -8,8 +8,23 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from benchmarks.common import console, make_parser, parse_args, write_atomically
-from benchmarks.report.core import Context, ResultFile, Section, choose_device, load_results, render_tables
+from benchmarks.common import (
+    ResultsNotSaved,
+    check_writable,
+    console,
+    make_parser,
+    parse_args,
+    write_atomically,
+)
+from benchmarks.report.core import (
+    RESULTS_GLOB,
+    Context,
+    ResultFile,
+    Section,
+    choose_device,
+    load_results,
+    render_tables,
+)
 from benchmarks.report.registry import SECTIONS
 
 
@@ -98,7 +113,10 @@ def build_report(results_dir: Path, out: Path,
     if skipped:
         header += ["**Not read**: these files do not parse as results files (cut short or torn), so nothing "
                    "below comes from them; measure them again:", "", *(f"- `{s}`" for s in skipped), ""]
-    write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    try:
+        write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    except OSError as exc:
+        raise ResultsNotSaved(out, exc) from exc
     if unreadable is not None:
         unreadable += skipped
     return out, plots
@@ -123,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/report.md"),
                         help="the report; plots are written beside it")
     args = parse_args(parser, argv, writes_results=False)
-    unreadable: list[str] = []
+    # A report from no results reads "not measured yet" throughout: never let it replace a real one.
     if not args.results_dir.is_dir():
-        console.print(f"[yellow]--results-dir {args.results_dir} does not exist: every section will say "
-                      "'not measured yet'[/yellow]")
+        parser.error(f"--results-dir {args.results_dir}: no such folder")
+    if not any(args.results_dir.glob(RESULTS_GLOB)):
+        parser.error(f"--results-dir {args.results_dir}: no results files (<device>/<name>.csv) in it")
+    if not args.no_save:
+        check_writable(parser, "--out", args.out)
+    unreadable: list[str] = []
     if args.no_save:  # build it where it harms nothing, show the text
         with tempfile.TemporaryDirectory() as scratch:
             path, _ = build_report(args.results_dir, Path(scratch) / args.out.name, unreadable)

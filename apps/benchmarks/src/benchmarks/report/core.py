@@ -25,6 +25,7 @@ import pandas as pd  # noqa: E402
 from benchmarks.common import OOM, UnreadableResults, console, read_results  # noqa: E402
 
 NOT_GPU = {"cpu", "analytic"}
+RESULTS_GLOB = "*/*.csv"  # <results-dir>/<device>/<name>.csv, as save_results writes them
 MAX_TABLE_ROWS = 60
 
 
@@ -44,7 +45,7 @@ def load_results(results_dir: Path, unreadable: list[str] | None = None) -> list
     reason appended to ``unreadable``: its numbers must not reach the report as NaN cells.
     """
     files = []
-    for path in sorted(Path(results_dir).glob("*/*.csv")):
+    for path in sorted(Path(results_dir).glob(RESULTS_GLOB)):
         try:
             df, meta = read_results(path)
         except (UnreadableResults, OSError) as exc:
