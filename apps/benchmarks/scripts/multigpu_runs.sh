@@ -2,11 +2,12 @@
 # Issue 45 on one machine of up to 4 GPUs (nvidia-h200-x4), in one call of under 9 minutes:
 #   1. all-reduce bus bandwidth at 2 and 4 GPUs (NCCL);
 #   2. BucketedDDP at 25 MiB against torch DDP at 2 GPUs, twice (the step spread is 20-30 ms), in both orders,
-#      then the profile of one step of each at 2 GPUs (scripts/ddp_profile.py): NCCL time, and how much of
-#      it no other kernel hid ("nccl exposed ms"), hook and host times;
-#   3. FSDP (minddp) against torch FSDP2 at 2 and 4 GPUs (xl, bf16 compute by default);
+#      with exposed communication and overlap from each rank's traces (benchmarks.ddp);
+#   3. FSDP (minddp) against torch FSDP2 at 2 and 4 GPUs (xl, bf16 compute by default), the same measures;
 #   4. scaling at a fixed per-GPU batch, 1 -> 2 -> 4 GPUs, of BucketedDDP, torch DDP, minddp FSDP and FSDP2;
-#   5. if time is left: FSDP at 2.7B (bf16) and at xl in fp32 on the most GPUs, then 2.7B on the others;
+#   5. the profile of one step of each DDP at 2 GPUs (scripts/ddp_profile.py): hook and host times, NCCL
+#      time no other kernel hid, the host-device synchronizations a step;
+#   6. if time is left: FSDP at 2.7B (bf16) and at xl in fp32 on the most GPUs, then 2.7B on the others;
 #   then a summary (apps/benchmarks/scripts/multigpu_summary.py): the tables, and the scaling table written
 #   as multigpu_scaling.csv/.md.
 #
@@ -26,7 +27,7 @@
 #   PYTHON=python3  COUNTS="1 2 4" (GPU counts; the DDP comparison runs at 2)  BUDGET_S=480
 #   SIZE=xl PRECISION=bf16 BATCH=4 CONTEXT=512 (per GPU, every run)  BUCKET_MB=25
 #   DDP_WARMUP=3 DDP_STEPS=15     FSDP_WARMUP=2 FSDP_ITERS=5
-#   FSDP_SIZES=xl FSDP_COMPUTE=bf16 (at 2 and 4 GPUs)   EXTRAS=1 (0: no step 5)
+#   FSDP_SIZES=xl FSDP_COMPUTE=bf16 (at 2 and 4 GPUs)   EXTRAS=1 (0: no step 6)   TRACE_STEPS=2
 #   ALLREDUCE_SIZES_MB=1,10,100,1024
 set -uo pipefail
 OUT=${1:?usage: multigpu_runs.sh OUT_DIR}
@@ -38,6 +39,7 @@ PY=${PYTHON:-python3}
 COUNTS=${COUNTS:-1 2 4}; BUDGET_S=${BUDGET_S:-480}
 SIZE=${SIZE:-xl}; PRECISION=${PRECISION:-bf16}; BATCH=${BATCH:-4}; CONTEXT=${CONTEXT:-512}; BUCKET_MB=${BUCKET_MB:-25}
 DDP_WARMUP=${DDP_WARMUP:-3}; DDP_STEPS=${DDP_STEPS:-15}; FSDP_WARMUP=${FSDP_WARMUP:-2}; FSDP_ITERS=${FSDP_ITERS:-5}
+TRACE_STEPS=${TRACE_STEPS:-2}  # traced steps per configuration, for communication and overlap
 FSDP_SIZES=${FSDP_SIZES:-$SIZE}; FSDP_COMPUTE=${FSDP_COMPUTE:-$PRECISION}
 ALLREDUCE_SIZES_MB=${ALLREDUCE_SIZES_MB:-1,10,100,1024}
 RUNS=$OUT/runs; RESULTS=$OUT/results; LOGS=$OUT/logs
@@ -85,24 +87,22 @@ step() {
   # 2. and 4. DDP: BucketedDDP against torch DDP, the bare model ("single") as reference; at 2 GPUs twice,
   # the second run in the other order, so neither wrapper always runs first after the reference.
   ddp() {  # ddp NAME NPROC STRATEGIES
-    step "$1" 45 200 $PY -m benchmarks.ddp --nproc "$2" --backend "$BACKEND" --strategy "$3" \
+    step "$1" 55 200 $PY -m benchmarks.ddp --nproc "$2" --backend "$BACKEND" --strategy "$3" \
         --bucket-mb "$BUCKET_MB" --size "$SIZE" --precision "$PRECISION" --batch "$BATCH" --context "$CONTEXT" \
-        --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --timeout 190
+        --warmup "$DDP_WARMUP" --steps "$DDP_STEPS" --trace-steps "$TRACE_STEPS" --timeout 190
   }
   ddp ddp_2gpu_a 2 bucketed,torch
   ddp ddp_2gpu_b 2 torch,bucketed
-  step profile_ddp_2gpu 50 200 $PY "$ROOT/apps/benchmarks/scripts/ddp_profile.py" --nproc 2 --size "$SIZE" \
-      --configs single,bucketed,torch --bucket-mb "$BUCKET_MB" --batch "$BATCH" --context "$CONTEXT" \
-      --warmup "$DDP_WARMUP" --steps 5 --timeout 190
 
   # ---- FSDP: the one place to adapt when benchmarks.fsdp changes (e.g. minddp.fully_shard's strategy name).
   FSDP_STRATEGIES=${FSDP_STRATEGIES:-torch-fsdp2,minddp-fsdp}
   fsdp() {  # fsdp NPROC SIZE [COMPUTE]
-    local compute=${3:-$FSDP_COMPUTE} estimate=35
-    { [ "$2" = 2.7B ] || [[ $compute == *fp32* ]]; } && estimate=50
+    local compute=${3:-$FSDP_COMPUTE} estimate=40
+    { [ "$2" = 2.7B ] || [[ $compute == *fp32* ]]; } && estimate=55
     step "fsdp_${2}_${compute//,/_}_${1}gpu" "$estimate" 200 $PY -m benchmarks.fsdp --nproc "$1" \
         --device "$FSDP_DEVICE" --size "$2" --compute "$compute" --strategies "$FSDP_STRATEGIES" --batch-size "$BATCH" \
-        --context-length "$CONTEXT" --warmup "$FSDP_WARMUP" --iters "$FSDP_ITERS" --timeout 190
+        --context-length "$CONTEXT" --warmup "$FSDP_WARMUP" --iters "$FSDP_ITERS" --trace-steps "$TRACE_STEPS" \
+        --timeout 190
   }
   for n in ${MULTI//,/ }; do for size in $FSDP_SIZES; do fsdp "$n" "$size"; done; done
   # ---- end of FSDP
@@ -114,7 +114,12 @@ step() {
     [ "$n" -eq 1 ] && fsdp 1 "$SIZE"
   done
 
-  # 5. If time is left: FSDP at 2.7B, and in fp32, on the most GPUs, then 2.7B on the others.
+  # 5. Where the DDP step's time goes at 2 GPUs: hooks, host, NCCL time no kernel hid, host syncs.
+  [[ " $COUNTS " == *" 2 "* ]] && step profile_ddp_2gpu 50 200 $PY "$ROOT/apps/benchmarks/scripts/ddp_profile.py" \
+      --nproc 2 --size "$SIZE" --configs single,bucketed,torch --bucket-mb "$BUCKET_MB" --batch "$BATCH" \
+      --context "$CONTEXT" --warmup "$DDP_WARMUP" --steps 5 --timeout 190
+
+  # 6. If time is left: FSDP at 2.7B, and in fp32, on the most GPUs, then 2.7B on the others.
   if [ "${EXTRAS:-1}" = 1 ] && [ -n "$MULTI" ]; then
     most=${MULTI##*,}
     [[ " $FSDP_SIZES " == *" 2.7B "* ]] || fsdp "$most" 2.7B

@@ -6,10 +6,12 @@ them: the GPU count is each file's own metadata, so any names with those prefixe
 tables:
 
 - DDP: per run, the bare model's step (``single``), BucketedDDP's and torch DDP's (mean ± std over the
-  timed steps, the slowest rank's), their ratio, and each one's exposed communication (step - single).
+  timed steps, the slowest rank's), their ratio, and each one's exposed communication and overlap from
+  its traces (``benchmarks.ddp``'s columns).
 - DDP profile (``scripts/ddp_profile.py``): per configuration, NCCL kernel time, the part of it no other
   kernel overlapped, hook and host times, idle device time.
-- FSDP: per run, minddp's and FSDP2's iteration time and peak memory per rank, and the ratios.
+- FSDP: per run, minddp's and FSDP2's iteration time, peak memory per rank, exposed communication and
+  overlap, and the ratios.
 - All-reduce: bus bandwidth per world size and size.
 - Scaling: per strategy and GPU count, the step time (mean over the runs at that count), tokens per second
   per GPU (per-GPU batch x context / step), and the efficiency: that throughput over the same strategy's
@@ -63,7 +65,8 @@ def ddp_table(runs: Runs) -> pd.DataFrame:
                      "torch DDP ms": theirs["step ms"], "torch std": theirs["step std"],
                      "ours / torch": ours["step ms"] / theirs["step ms"],
                      "exposed ours ms": ours["exposed comm ms"],
-                     "exposed torch ms": theirs["exposed comm ms"]})
+                     "exposed torch ms": theirs["exposed comm ms"],
+                     "overlap ours %": ours["overlap %"], "overlap torch %": theirs["overlap %"]})
     return pd.DataFrame(rows)
 
 
@@ -82,7 +85,10 @@ def fsdp_table(runs: Runs) -> pd.DataFrame:
                          "time ours / FSDP2": ours["iteration_ms"] / theirs["iteration_ms"],
                          "minddp peak MB": ours["peak_MB"] if peak else math.nan,
                          "FSDP2 peak MB": theirs["peak_MB"] if peak else math.nan,
-                         "peak ours / FSDP2": ours["peak_MB"] / theirs["peak_MB"] if peak else math.nan})
+                         "peak ours / FSDP2": ours["peak_MB"] / theirs["peak_MB"] if peak else math.nan,
+                         "exposed ours ms": ours["exposed_comm_ms"],
+                         "exposed FSDP2 ms": theirs["exposed_comm_ms"],
+                         "overlap ours %": ours["overlap_pct"], "overlap FSDP2 %": theirs["overlap_pct"]})
     return pd.DataFrame(rows)
 
 
