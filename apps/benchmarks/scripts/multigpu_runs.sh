@@ -21,13 +21,14 @@
 # is killed (with its ranks) at its own limit, and none runs past BUDGET_S + 30 s, so a hang costs one step.
 #
 # Without GPUs it runs the same steps on CPU processes (gloo) at the tiny size: that is how it is tested
-#   SIZE=tiny BATCH=2 CONTEXT=32 COUNTS="1 2" EXTRAS=0 bash apps/benchmarks/scripts/multigpu_runs.sh /tmp/mg
+#   SIZE=tiny BATCH=2 CONTEXT=32 COUNTS="1 2" bash apps/benchmarks/scripts/multigpu_runs.sh /tmp/mg
 #
 # Environment overrides (defaults for 4 H200s):
 #   PYTHON=python3  COUNTS="1 2 4" (GPU counts; the DDP comparison runs at 2)  BUDGET_S=480
 #   SIZE=xl PRECISION=bf16 BATCH=4 CONTEXT=512 (per GPU, every run)  BUCKET_MB=25
 #   DDP_WARMUP=3 DDP_STEPS=15     FSDP_WARMUP=2 FSDP_ITERS=5
-#   FSDP_SIZES=xl FSDP_COMPUTE=bf16 (at 2 and 4 GPUs)   EXTRAS=1 (0: no step 6)   TRACE_STEPS=2
+#   FSDP_SIZES=xl FSDP_COMPUTE=bf16 (at 2 and 4 GPUs)   EXTRAS=1 with GPUs, else 0 (0: no step 6)
+#   TRACE_STEPS=2
 #   ALLREDUCE_SIZES_MB=1,10,100,1024
 set -uo pipefail
 OUT=${1:?usage: multigpu_runs.sh OUT_DIR}
@@ -47,6 +48,7 @@ rm -rf "$RUNS" "$RESULTS" "$LOGS"; mkdir -p "$RUNS" "$RESULTS" "$LOGS"
 
 GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$GPUS" -gt 0 ]; then BACKEND=nccl; FSDP_DEVICE=cuda; else BACKEND=gloo; FSDP_DEVICE=cpu; fi
+EXTRAS=${EXTRAS:-$([ "$GPUS" -gt 0 ] && echo 1 || echo 0)}  # 2.7B on CPU processes would fill the memory
 if [ "$GPUS" -gt 0 ]; then  # only the counts this machine has (a 2-GPU machine runs 1 and 2)
   COUNTS=$(for n in $COUNTS; do [ "$n" -le "$GPUS" ] && echo "$n"; done | paste -sd' ' -)
 fi
@@ -120,7 +122,7 @@ step() {
       --context "$CONTEXT" --warmup "$DDP_WARMUP" --steps 5 --timeout 190
 
   # 6. If time is left: FSDP at 2.7B, and in fp32, on the most GPUs, then 2.7B on the others.
-  if [ "${EXTRAS:-1}" = 1 ] && [ -n "$MULTI" ]; then
+  if [ "$EXTRAS" = 1 ] && [ -n "$MULTI" ]; then
     most=${MULTI##*,}
     [[ " $FSDP_SIZES " == *" 2.7B "* ]] || fsdp "$most" 2.7B
     [ "$FSDP_COMPUTE" = fp32 ] || fsdp "$most" "$SIZE" fp32
