@@ -1,4 +1,5 @@
-"""The README's join() example runs as its comment says (``python uneven.py``) and prints its line."""
+"""The README's examples (join(), the bucket rebuild, fully_shard) run as their comments say and print
+their lines."""
 
 from __future__ import annotations
 
@@ -21,30 +22,27 @@ def python_block(first_line: str) -> str:
     raise AssertionError(f"README.md has no python block starting with {first_line!r}")
 
 
-def test_the_join_example_runs(tmp_path):
-    script = tmp_path / "uneven.py"
-    script.write_text(python_block("# uneven.py"))
+def run_example(script: Path, launcher: tuple[str, ...] = ()) -> str:
+    """``python [launcher] script`` in the script's folder (minddp importable); its stdout."""
     source = str(Path(minddp.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    # The timeout is a hang guard: the two processes start and train in seconds.
-    done = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    # The timeout is a hang guard: the examples start and train a tiny model in seconds.
+    done = subprocess.run([sys.executable, *launcher, script.name], cwd=script.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "after uneven inputs, both replicas hold" in done.stdout
+    return done.stdout
 
 
 def run_under_torchrun(script: Path, nproc: int) -> str:
     """``torchrun --nproc-per-node nproc script`` in the script's folder (minddp importable); its stdout."""
-    source = str(Path(minddp.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               script.name]
-    # The timeout is a hang guard: two processes train a tiny model in seconds.
-    done = subprocess.run(command, cwd=script.parent, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return run_example(script, ("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"))
+
+
+def test_the_join_example_runs(tmp_path):
+    script = tmp_path / "uneven.py"
+    script.write_text(python_block("# uneven.py"))
+    assert "after uneven inputs, both replicas hold" in run_example(script)
 
 
 def test_the_fully_shard_example_is_an_fsdp2_script_with_another_import(tmp_path):
@@ -62,3 +60,9 @@ def test_the_fully_shard_example_is_an_fsdp2_script_with_another_import(tmp_path
         assert (folder / "model.pt").exists()
     assert "step 9: loss" in outputs[0] and "FSDPSequential, weight (Shard(dim=0),)" in outputs[0]
     assert outputs[0] == outputs[1]
+
+
+def test_the_bucket_rebuild_example_prints_what_its_comments_say(tmp_path):
+    script = tmp_path / "rebuild.py"
+    script.write_text(python_block("# rebuild.py"))
+    assert run_example(script).splitlines() == ["['embed.bias']", "['head.bias']"]

@@ -131,11 +131,12 @@ def train_accumulating(ddp: nn.Module, rank: int, world_size: int) -> None:
         opt.zero_grad()
 
 
-def train_uneven(ddp: nn.Module, rank: int, world_size: int, divide: bool) -> None:
-    """Rank r has 2 + r batches; join() lets the others go on without it."""
+def train_uneven(ddp: nn.Module, rank: int, world_size: int, divide: bool, fewest: int = 2) -> None:
+    """Rank r has ``fewest`` + r batches; join() lets the others go on without it. With ``fewest=0``
+    rank 0 joins before any backward, and takes part in the others' bucket rebuild from its shadow."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with ddp.join(divide_by_initial_world_size=divide):
-        for step in range(2 + rank):
+        for step in range(fewest + rank):
             loss_of(ddp, *batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
@@ -207,6 +208,8 @@ CASES: dict[str, tuple[type[nn.Module], dict[str, Any], Callable, Callable, Call
     **{f"join-divide-{divide}": (Net, {}, lambda d, r, w, divide=divide: train_uneven(d, r, w, divide),
                                  lambda d, r, w, divide=divide: train_uneven(d, r, w, divide), None)
        for divide in (True, False)},
+    "join-from-none": (Net, {}, lambda d, r, w: train_uneven(d, r, w, True, fewest=0),
+                       lambda d, r, w: train_uneven(d, r, w, True, fewest=0), None),
     "recovery": (Failing, {}, train_through_failures, train_without_failures, None),
 }
 NAMES = [f"{strategy}/{case}" for strategy, case in itertools.product(STRATEGIES, CASES)]
@@ -312,23 +315,26 @@ def test_throw_on_early_termination_raises_on_every_rank_as_torch_does(ranks):
 
 
 FAILING_RANK = 1
-# (strategy, where the failing rank raises, find_unused_parameters)
-SKIP_CASES = [(s, where, False) for s in STRATEGIES for where in ("backward", "forward")]
-SKIP_CASES.append(("bucketed", "backward", True))
+# (strategy, where the failing rank raises, find_unused_parameters, the step it fails at). Failing at step
+# 0 skips the averaged backward whose gradient order the buckets are rebuilt in: no rank rebuilds then.
+SKIP_CASES = [(s, where, False, 1) for s in STRATEGIES for where in ("backward", "forward")]
+SKIP_CASES += [("bucketed", "backward", True, 1), ("bucketed", "backward", False, 0),
+               ("naive", "forward", False, 0)]
 
 
-def skip_case_name(strategy: str, where: str, find_unused: bool) -> str:
-    return f"{strategy}/{where}/find_unused={find_unused}"
+def skip_case_name(strategy: str, where: str, find_unused: bool, failing_step: int) -> str:
+    return f"{strategy}/{where}/find_unused={find_unused}" + ("/at step 0" if failing_step == 0 else "")
 
 
-def train_skipping(ddp: nn.Module, rank: int, where: str) -> tuple[list[int], list[str]]:
-    """Batch 1 fails on FAILING_RANK; every exception is caught and its step skipped, as a loop that
-    tolerates a flaky batch does, until 3 steps are taken. Returns the batches stepped on and the errors."""
+def train_skipping(ddp: nn.Module, rank: int, where: str, failing_step: int) -> tuple[list[int], list[str]]:
+    """Batch ``failing_step`` fails on FAILING_RANK; every exception is caught and its step skipped, as a
+    loop that tolerates a flaky batch does, until 3 steps are taken. Returns the batches stepped on and the
+    errors."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     stepped, errors = [], []
     step = 0
     while len(stepped) < 3:
-        ddp.module.fail = where if step == 1 and rank == FAILING_RANK else None
+        ddp.module.fail = where if step == failing_step and rank == FAILING_RANK else None
         try:
             loss_of(ddp, *batch(step, rank)).backward()
         except RuntimeError as exc:
@@ -348,18 +354,18 @@ def largest_difference(model: nn.Module, reference: nn.Module) -> float:
 
 def skip_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
     seen: dict[str, Any] = {}
-    for strategy, where, find_unused in SKIP_CASES:
+    for strategy, where, find_unused, failing_step in SKIP_CASES:
         options = {"find_unused_parameters": find_unused}
         wrap = functools.partial(make_ddp, strategy, **options)
         if strategy == "bucketed":  # a bucket per parameter: the output layer's go before the failure
             wrap = functools.partial(wrap, bucket_size_mb=0.0001)
         torch.manual_seed(rank)
         model = Failing()
-        stepped, errors = train_skipping(wrap(model), rank, where)
+        stepped, errors = train_skipping(wrap(model), rank, where, failing_step)
         torch.manual_seed(rank)
         reference = Failing()
         train_on(torch_ddp(reference, **options), rank, stepped)
-        seen[skip_case_name(strategy, where, find_unused)] = {
+        seen[skip_case_name(strategy, where, find_unused, failing_step)] = {
             "stepped": stepped, "errors": errors, "diff": largest_difference(model, reference)}
 
     # A forward under grad mode on every rank, without backward (an evaluation outside no_grad): no error.
@@ -382,11 +388,12 @@ def skipped(ranks) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", [skip_case_name(*case) for case in SKIP_CASES])
 def test_a_step_skipped_on_one_rank_raises_on_every_rank_then_trains_like_torch_ddp(skipped, name):
     healthy, failing = skipped[1 - FAILING_RANK][name], skipped[FAILING_RANK][name]
+    failed = 0 if name.endswith("at step 0") else 1
     # The healthy rank raises at the end of the failed step's backward, and skips that batch.
-    assert healthy["stepped"] == [0, 2, 3], healthy
+    assert healthy["stepped"] == [s for s in range(4) if s != failed], healthy
     assert len(healthy["errors"]) == 1 and f"rank(s) {FAILING_RANK} skipped this step" in healthy["errors"][0]
     # The failing rank: its own exception, then ours at its next forward (batch 2, lost), then it trains.
-    assert failing["stepped"] == [0, 3, 4], failing
+    assert failing["stepped"] == [s for s in range(5) if s not in (failed, failed + 1)], failing
     own, ours = failing["errors"]
     assert "injected failure" in own
     assert f"rank {FAILING_RANK} skipped its last averaged step" in ours and "rank(s) 0 completed it" in ours

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from minddp.buckets import assign_buckets
+from minddp.buckets import assign_buckets_in_order
 from minddp.collectives import all_gather_objects, backend_per_device_type, broadcast_coalesced
 from minddp.nested import map_tensors, tensors_in
 from minddp.reducer import CommHook, Reducer
@@ -93,9 +93,9 @@ class DataParallel(nn.Module, Joinable):
         # parameters() yields a tied tensor once, so tied parameters are communicated once.
         named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named_params]
-        # Buckets fill in reverse parameter order, roughly the order backward produces gradients.
-        last = len(params) - 1
-        buckets = [[last - i for i in bucket] for bucket in assign_buckets(params[::-1], self.bucket_limits)]
+        # Buckets fill in reverse parameter order, roughly the order backward produces gradients, until the
+        # first averaged backward has shown the order (then the reducer rebuilds them in it).
+        buckets = assign_buckets_in_order(params, range(len(params) - 1, -1, -1), self.bucket_limits)
         self._check_same_on_every_rank(buckets)
 
         self._comm_device = self._device_for_collectives(first=next(iter([*params, *module.buffers()]), None))
@@ -104,7 +104,7 @@ class DataParallel(nn.Module, Joinable):
         average_in_collective = self._backends.get(device.type) in _BACKENDS_WITH_AVG
         self._reducer = Reducer(named_params, buckets, self.process_group, average_in_collective,
                                 self.overlap, self.gradient_as_bucket_view, self.find_unused_parameters,
-                                self._comm_device)
+                                self._comm_device, rebuild_limits=self.bucket_limits)
         self._sync_enabled = True  # torch DDP's require_backward_grad_sync: False inside no_sync()
         self._buffers_due = True  # torch DDP's require_forward_param_sync: the last forward was averaged
         self._divide_by_initial_world_size = True
@@ -157,7 +157,8 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def bucket_names(self) -> list[list[str]]:
-        """The parameter names of each bucket, in launch order."""
+        """The parameter names of each bucket, in launch order (rebuilt after the first averaged backward,
+        in the order it produced the gradients, unless ``find_unused_parameters``)."""
         return [list(bucket.names) for bucket in self._reducer.buckets]
 
     def _queue_finish(self, grad: torch.Tensor) -> None:

@@ -1,12 +1,17 @@
 """Gradient averaging for the DDP wrappers: buckets reduced in a fixed order, finished inside backward.
 
 Every rank issues the same collectives in the same order: buckets are launched strictly in
-bucket order (reverse parameter order, roughly the order backward produces gradients), each
-as soon as it and every bucket before it are complete, or all at the end of backward for the
-strategies that do not overlap. When autograd has computed every gradient, a callback queued
-on the engine launches what is left (a parameter without a gradient counts as zeros), waits
-for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns with
-averaged gradients, as with torch DDP.
+bucket order, each as soon as it and every bucket before it are complete, or all at the end of
+backward for the strategies that do not overlap. The buckets first fill in reverse parameter
+order, roughly the order backward produces gradients; after the first averaged backward they are
+rebuilt, once, in the order it produced them (rank 0's, on every rank), as torch DDP does: a
+parameter registered in another order than forward uses it would otherwise hold back its bucket,
+and every bucket after it, until the end of backward.
+
+When autograd has computed every gradient, a callback queued on the engine launches what is
+left (a parameter without a gradient counts as zeros), waits for every bucket and writes the
+averages into ``.grad``, so ``loss.backward()`` returns with averaged gradients, as with torch
+DDP.
 
 Each averaged backward is a round of collectives that every rank completes, even one whose
 forward or backward raised: an *open* flag before the first bucket (which ranks take part) and
@@ -21,7 +26,7 @@ stay matched.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp.backward_callback import queue_at_end_of_backward
-from minddp.buckets import Bucket
+from minddp.buckets import Bucket, assign_buckets_in_order
 
 CommHook = Callable[[Any, Any], torch.futures.Future]
 
@@ -39,16 +44,24 @@ class Reducer:
 
     Per iteration: :meth:`prepare_for_backward` at a forward whose backward is to be averaged,
     then the parameters' post-accumulate-grad hooks, then the end-of-backward callback.
+    ``rebuild_limits``: the bucket limits (see :func:`~minddp.buckets.assign_buckets`) to rebuild the
+    buckets with after the first averaged backward, in the order it produced the gradients (torch
+    DDP's rebuild; not with ``find_unused_parameters``, as in torch); ``None`` keeps ``buckets``.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], buckets: list[list[int]],
                  process_group: dist.ProcessGroup, average_in_collective: bool, overlap: bool,
                  gradient_as_bucket_view: bool, find_unused_parameters: bool,
-                 comm_device: torch.device) -> None:
+                 comm_device: torch.device, rebuild_limits: Sequence[float] | None = None) -> None:
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
-        self.buckets = [Bucket(b, [self.params[i] for i in indices], [self.names[i] for i in indices],
-                               indices, gradient_as_bucket_view) for b, indices in enumerate(buckets)]
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.buckets = self.make_buckets(buckets)
+        self.rebuild_limits = rebuild_limits
+        # The parameters in the order their gradients arrive, during averaged backward passes until the
+        # first one completes; None once the buckets were rebuilt in that order, or when they never are.
+        self.ready_order: list[int] | None = (
+            [] if rebuild_limits is not None and not find_unused_parameters else None)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.average_in_collective = average_in_collective  # the backend has ReduceOp.AVG
@@ -66,8 +79,8 @@ class Reducer:
         self.reset()
         # The hooks hold the reducer weakly, and go away with it: a dropped wrapper leaves no hooks behind.
         this = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(_grad_ready_hook(this, bucket, i))
-                   for bucket in self.buckets for p, i in zip(bucket.params, bucket.indices, strict=True)]
+        handles = [p.register_post_accumulate_grad_hook(_grad_ready_hook(this, i))
+                   for i, p in enumerate(self.params)]
         weakref.finalize(self, _remove_hooks, handles)
 
     # --- the iteration ----------------------------------------------------------------------
@@ -111,6 +124,8 @@ class Reducer:
                 bucket.pending = bucket.reduced = None
             bucket.remaining = len(bucket.params)
         self.arrived = [False] * len(self.params)
+        if self.ready_order:  # a backward that failed: the next one records the order afresh
+            self.ready_order.clear()
         self.next_to_launch = 0
         self.finish_queued = False
         if self.opened is not None:
@@ -163,6 +178,8 @@ class Reducer:
             name for name, arrived in zip(self.names, self.arrived, strict=True) if not arrived]
         for bucket in self.buckets:
             bucket.scatter(self.wait(bucket.pending, bucket.reduced), used)
+        if self.ready_order is not None and not skipped:  # every rank knows skipped: all rebuild or none
+            self.rebuild_buckets()
         self.reset()
         self.expecting, self.averaged = False, True
         if skipped:
@@ -187,7 +204,9 @@ class Reducer:
         self.divisor = self.world_size if divide_by_initial_world_size else 1
         self.open_round(taking_part=True)
         self.shadow_buckets(self.buckets)
-        self.close_round(completed=True)
+        skipped = self.close_round(completed=True)[1]
+        if self.ready_order is not None and not skipped:  # as the ranks still training do at this round's end
+            self.rebuild_buckets()
         self.reset()
 
     def shadow_buckets(self, buckets: list[Bucket]) -> None:
@@ -198,6 +217,30 @@ class Reducer:
             pending.append((self.communicate(bucket, zeros), zeros))
         for work, zeros in pending:
             self.wait(work, zeros)
+
+    def make_buckets(self, buckets: list[list[int]]) -> list[Bucket]:
+        """Buckets of the parameters at ``buckets``' indices, in that order; each parameter's is noted."""
+        made = [Bucket(b, [self.params[i] for i in indices], [self.names[i] for i in indices], indices,
+                       self.gradient_as_bucket_view) for b, indices in enumerate(buckets)]
+        owner = {i: bucket for bucket in made for i in bucket.indices}
+        self.bucket_of = [owner[i] for i in range(len(self.params))]
+        return made
+
+    def rebuild_buckets(self) -> None:
+        """Rebuild the buckets in the order the gradients arrived (one broadcast, once): rank 0's order on
+        every rank, so their collectives match; a parameter that got no gradient comes last.
+
+        The gradients of the old buckets stay where they are (still the ``.grad``); the next backward
+        moves them into the new buffers as it fills them.
+        """
+        assert self.ready_order is not None and self.rebuild_limits is not None
+        arrived = set(self.ready_order)
+        order = self.ready_order + [i for i in range(len(self.params) - 1, -1, -1) if i not in arrived]
+        agreed = torch.tensor(order, dtype=torch.int64).to(self.comm_device)
+        dist.broadcast(agreed, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        self.buckets = self.make_buckets(
+            assign_buckets_in_order(self.params, agreed.tolist(), self.rebuild_limits))
+        self.ready_order = None
 
     # --- the round's agreement ----------------------------------------------------------------
 
@@ -287,18 +330,21 @@ def _ranks(ranks: set[int]) -> str:
     return ", ".join(map(str, sorted(ranks)))
 
 
-def _grad_ready_hook(reducer: weakref.ref[Reducer], bucket: Bucket,
-                     index: int) -> Callable[[torch.Tensor], None]:
+def _grad_ready_hook(reducer: weakref.ref[Reducer], index: int) -> Callable[[torch.Tensor], None]:
     """Parameter ``index``'s post-accumulate-grad hook: counts its gradient in, launches what that completes.
 
     It runs once per parameter per backward pass, so it does as little as it can: after the
-    pass's first gradient (:meth:`Reducer.first_gradient`), a flag, a store and a counter.
+    pass's first gradient (:meth:`Reducer.first_gradient`), a flag, a store and a counter (and,
+    until the buckets are rebuilt, the gradient's place in the order).
     """
     def grad_ready(_param: torch.Tensor) -> None:
         alive = reducer()
         if alive is None or not (alive.finish_queued or alive.first_gradient(index)):
             return
         alive.arrived[index] = True
+        if alive.ready_order is not None:
+            alive.ready_order.append(index)
+        bucket = alive.bucket_of[index]
         bucket.remaining -= 1
         if bucket.remaining == 0 and alive.overlap and bucket.index == alive.next_to_launch:
             alive.launch_ready()
