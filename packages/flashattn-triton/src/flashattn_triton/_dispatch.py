@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+
+from flashattn_triton._launcher import env_flag
 
 UNBOUNDED = -1
 GLUON, TUNED, FEATURES, TORCH = "gluon-sm90", "tuned-triton", "feature-triton", "pytorch"
@@ -256,7 +257,7 @@ class recording:  # noqa: N801 (a context manager, named as contextlib's are)
 
 def log(d: Description) -> None:
     """With FLASHATTN_TRITON_LOG_ROUTES=1, each new problem's route to stderr (the first call of a layout)."""
-    if os.environ.get("FLASHATTN_TRITON_LOG_ROUTES", "0").strip().lower() in ("1", "true", "on", "yes"):
+    if env_flag("FLASHATTN_TRITON_LOG_ROUTES", False):
         print(f"flashattn_triton route: {choose(d)} <- {d}", file=sys.stderr)
 
 

@@ -42,14 +42,13 @@ import functools
 import heapq
 import importlib.util
 import itertools
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
-from flashattn_triton._launcher import Launcher
+from flashattn_triton._launcher import Launcher, env_flag
 from flashattn_triton._tiles import Tiles
 
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
@@ -87,7 +86,7 @@ def _gluon_shipped() -> bool:
 def available() -> bool:
     """Whether the Gluon kernels can be offered: this Triton ships Gluon for Hopper and
     FLASHATTN_TRITON_GLUON is not 0 (the switch to keep the Triton-language kernels everywhere)."""
-    if os.environ.get("FLASHATTN_TRITON_GLUON", "1").strip().lower() in ("0", "false", "off", "no"):
+    if not env_flag("FLASHATTN_TRITON_GLUON", True):
         return False
     return _gluon_shipped()
 

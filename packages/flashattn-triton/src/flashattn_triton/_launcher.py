@@ -85,7 +85,7 @@ def seed_triton_cache(capability: tuple[int, int]) -> int:
     instead of compiling them. Kernels whose source or Triton build differ from the shipped ones have
     other hashes and compile as usual. FLASHATTN_TRITON_SHIPPED_KERNELS=0 turns it off. Returns how many
     kernels were added."""
-    if os.environ.get("FLASHATTN_TRITON_SHIPPED_KERNELS", "1").strip().lower() in _OFF:
+    if not env_flag("FLASHATTN_TRITON_SHIPPED_KERNELS", True):
         return 0
     archive = shipped_archive(capability) if triton_available() else None
     if archive is None or not archive.is_file():
@@ -118,12 +118,20 @@ def seed_triton_cache(capability: tuple[int, int]) -> int:
     return added
 
 
-_OFF = ("0", "false", "off", "no")
+def env_flag(name: str, default: bool) -> bool:
+    """The switch environment variable ``name`` sets: 1/true/on/yes, 0/false/off/no (any case), else
+    ``default`` (unset, empty or anything else)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    return default
 
 
 def interpret_requested() -> bool:
     """Whether TRITON_INTERPRET asks for Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return env_flag("TRITON_INTERPRET", False)
 
 
 @functools.cache

@@ -30,19 +30,6 @@ def _readable(mask: torch.Tensor) -> bool:
     return not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def band_mask(seqlen_q: int, seqlen_k: int, band: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """The (Tq, Tk) bool mask of the top-left band (left, right): query i sees keys i - left .. i + right."""
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(seqlen_k, device=device)[None, :]
-    left, right = band
-    seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    if left != UNBOUNDED:
-        seen &= cols >= rows - left
-    if right != UNBOUNDED:
-        seen &= cols <= rows + right
-    return seen
-
-
 def _read_band(mask: torch.Tensor) -> tuple[int, int] | None:
     """The band mask encodes, read with one synchronization: mask must be one (Tq, Tk) pattern over its
     leading dims, each value "see" or "hide" (bool; float 0, or -inf or the dtype's lowest value, which hides

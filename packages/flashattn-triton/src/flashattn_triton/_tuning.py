@@ -3,13 +3,13 @@
 A class's config is, first found: the choice tuned in this process or kept on disk by an earlier tuning on
 this machine (a JSON file per GPU and software versions under ``$FLASHATTN_TRITON_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/flashattn_triton``, else ``~/.cache/flashattn_triton``, in a subdirectory of the file
-format's version); the choice shipped with the package for sm_90 GPUs (``tuned/sm90.json``, made by
-lab/flashattn-triton/scripts/tune.py on an H100/H200); else the default (``default_config``: the Gluon
-kernels' first config where the dispatch table chose them, else the Triton-language kernels' first). A first
-call never waits for tuning: tuning runs only when asked, with ``FLASHATTN_TRITON_AUTOTUNE=1`` or
-``flashattn_triton.tune(...)``, and never while a CUDA graph is captured or torch.compile traces.
-``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only (no files, nothing shipped).
-``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
+format's version); the choice shipped with the package for sm_90 GPUs (``tuned/sm90.json``, a tuning
+cache file of an H100/H200, where the package holds one: this release holds none); else the default
+(``default_config``: the Gluon kernels' first config where the dispatch table chose them, else the
+Triton-language kernels' first). A first call never waits for tuning: tuning runs only when asked, with
+``FLASHATTN_TRITON_AUTOTUNE=1`` or ``flashattn_triton.tune(...)``, and never while a CUDA graph is
+captured or torch.compile traces. ``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only (no files,
+nothing shipped). ``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from flashattn_triton._launcher import gpu_milliseconds, out_of_resources
+from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources
 from flashattn_triton._planning import Problem, describe
 
 # The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
@@ -42,17 +42,13 @@ ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and the GPU time queued 
 _requested = False  # set by flashattn_triton.tune()
 
 
-def _autotune_setting() -> str:
-    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "").strip().lower()
-
-
 def autotune_enabled() -> bool:
     """Whether a class with no known choice is tuned: only when asked (see the module docstring)."""
-    return _requested or _autotune_setting() in ("1", "true", "on", "yes")
+    return _requested or env_flag("FLASHATTN_TRITON_AUTOTUNE", False)
 
 
 def defaults_only() -> bool:
-    return not _requested and _autotune_setting() in ("0", "false", "off", "no")
+    return not _requested and not env_flag("FLASHATTN_TRITON_AUTOTUNE", True)
 
 
 def default_config(candidates: list, problem: Problem) -> Any:

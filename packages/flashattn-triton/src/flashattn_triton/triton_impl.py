@@ -57,18 +57,13 @@ def describe_problem(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tenso
     _dispatch.describe; its SM count an H100's)."""
     precision = _inputs.input_precision(q.dtype)
     head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
-    if varlen is None:
-        batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
-        heads, kv_heads = q.shape[-3], tensors[1].shape[-3]
-    else:  # (total, H, d)
-        (batch, seqlen_q, seqlen_k), heads, kv_heads = varlen, q.shape[1], tensors[1].shape[1]
-        batch_heads = batch * heads
-    group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
     layouts = tensors[:3] if pass_name == "fwd" else tensors[:5]  # (not cu_seqlens)
     window = _dispatch.window_of(band, is_causal)
     description = _dispatch.describe(pass_name, q, tensors[1], layouts, window=window,
                                      dropout=dropout_p > 0.0, varlen=varlen, deterministic=deterministic,
                                      capability=capability)  # fmt: skip
+    seqlen_q, seqlen_k = description.seqlen_q, description.seqlen_k
+    batch_heads = q.shape[:-2].numel() if varlen is None else varlen[0] * q.shape[1]  # (packed: total, H, d)
     hopper = _dispatch.choose(description) == _dispatch.GLUON
     if capability is False:
         sm_count, interpret = (_sm_count(q.device) if q.is_cuda else 0), _launcher.interpreted()
@@ -76,7 +71,7 @@ def describe_problem(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tenso
         sm_count, interpret = H100_SMS, False
     problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
                       sm_count, interpret, hopper, deterministic, band_span(band, seqlen_q, seqlen_k),
-                      dropout_p > 0.0, group, varlen is not None)  # fmt: skip
+                      dropout_p > 0.0, description.group, varlen is not None)  # fmt: skip
     return description, problem
 
 

@@ -172,8 +172,10 @@ class ParamGroup:
         flat = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         return flat.pin_memory() if self._pin and torch.cuda.is_available() else flat
 
-    def _local_view(self, info: ShardedParam) -> torch.Tensor:
-        return self.flat[info.offset : info.offset + info.local_rows * info.row_numel].view(info.local_shape)
+    def _local_view(self, info: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
+        """``info``'s local rows in a flat shard (default: the parameters' own, ``self.flat``)."""
+        flat = self.flat if flat is None else flat
+        return flat[info.offset : info.offset + info.local_rows * info.row_numel].view(info.local_shape)
 
     def _as_dtensor(self, local: torch.Tensor, info: ShardedParam) -> DTensor:
         return DTensor.from_local(
@@ -327,9 +329,7 @@ class ParamGroup:
         for info in self.params:
             if not info.param.requires_grad:
                 continue
-            local = flat_grad[info.offset : info.offset + info.local_rows * info.row_numel].view(
-                info.local_shape
-            )
+            local = self._local_view(info, flat_grad)
             if info.param.grad is None:
                 info.param.grad = self._as_dtensor(local, info)
             else:

@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from profkit.memory import BEFORE_RECORDING, Allocation, load_snapshot, read_trace
+from profkit.memory import BEFORE_RECORDING, Allocation, Trace, active_bytes, load_snapshot, read_trace
 from profkit.tables import format_table
 
 __all__ = ["CATEGORIES", "MemoryBreakdown", "memory_breakdown"]
@@ -116,14 +115,10 @@ def category_of_stack(block: Allocation) -> str:
     return "other"
 
 
-def _live_at_peak(allocations: list[Allocation], events: int) -> tuple[list[Allocation], float]:
-    delta = np.zeros(events + 2)
-    for a in allocations:
-        delta[a.start] += a.size
-        delta[a.end] -= a.size
-    total = np.cumsum(delta[:-1])
-    peak = int(total.argmax()) if total.size else 0
-    return [a for a in allocations if a.start <= peak < a.end], float(total.max()) if total.size else 0.0
+def _live_at_peak(trace: Trace) -> tuple[list[Allocation], float]:
+    total = active_bytes(trace)
+    peak = int(total.argmax())
+    return [a for a in trace.allocations if a.start <= peak < a.end], float(total[peak])
 
 
 def memory_breakdown(snapshot: dict[str, Any] | str | Path | None = None, model: nn.Module | None = None,
@@ -144,7 +139,7 @@ def memory_breakdown(snapshot: dict[str, Any] | str | Path | None = None, model:
     if not isinstance(snapshot, dict):
         snapshot = load_snapshot(snapshot)
     trace = read_trace(snapshot, device)
-    live, peak = _live_at_peak(trace.allocations, trace.events)
+    live, peak = _live_at_peak(trace)
     owner = {ptr: name for name in ("parameters", "optimizer state", "gradients") for ptr in groups[name]}
     sizes = dict.fromkeys(CATEGORIES, 0.0)
     blocks = dict.fromkeys(CATEGORIES, 0)

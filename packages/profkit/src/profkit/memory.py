@@ -276,6 +276,15 @@ class MemoryTimeline:
         return int(self.x[int(self.total.argmax())]) if self.total.size else 0
 
 
+def active_bytes(trace: Trace) -> np.ndarray:
+    """Bytes allocated at each position 0 .. ``trace.events`` of the timeline."""
+    delta = np.zeros(trace.events + 2, dtype=np.float64)
+    for a in trace.allocations:
+        delta[a.start] += a.size
+        delta[a.end] -= a.size
+    return np.cumsum(delta[:-1])
+
+
 def _sample_positions(total: np.ndarray, max_points: int) -> np.ndarray:
     """At most ``max_points`` positions: all of them, or each bin's highest-memory one (peaks survive)."""
     if total.size <= max_points:
@@ -295,12 +304,7 @@ def build_timeline(trace: Trace, top: int = 8, max_points: int = 4000) -> Memory
         raise ValueError(f"top={top} must be >= 0")
     if max_points < 2:
         raise ValueError(f"max_points={max_points} must be >= 2")
-    positions = trace.events + 1
-    delta = np.zeros(positions + 1, dtype=np.float64)
-    for a in trace.allocations:
-        delta[a.start] += a.size
-        delta[a.end] -= a.size
-    total_all = np.cumsum(delta[:-1])
+    total_all = active_bytes(trace)
     x = _sample_positions(total_all, max_points)
 
     by_label: dict[str, list[Allocation]] = {}
