@@ -104,7 +104,8 @@ def test_a_failed_save_exits_with_status_1_and_one_line(tmp_path):
             f"common._staged = full\n"
             f"args = argparse.Namespace(results_dir={str(tmp_path)!r}, no_save=False, command='c')\n"
             f"common.save_results(pd.DataFrame({{'a': [1]}}), 'x', args, {{'device': 'cpu'}})\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=900)  # a hang guard; it takes seconds
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         f"error: could not write {tmp_path / 'cpu' / 'x.csv'} (No space left on device); "
@@ -149,7 +150,7 @@ def test_concurrent_saves_never_tear_the_file(tmp_path):
     for w in writers:
         w.start()
     for w in writers:
-        w.join(timeout=120)
+        w.join(timeout=900)  # a hang guard; they take seconds
     assert [w.exitcode for w in writers] == [0, 0]
     path = tmp_path / "cpu" / "x.csv"
     df, _ = read_results(path)
@@ -238,7 +239,8 @@ def test_an_existing_result_survives_an_empty_list(tmp_path):
     path = save_results(table(3, "old"), "e2e_train", saver(tmp_path), metadata())
     before = path.read_bytes()
     done = subprocess.run([sys.executable, "-m", "benchmarks.e2e", "--context", ",", "--results-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+                           str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)  # a hang guard; it takes seconds
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
     assert path.read_bytes() == before
 
@@ -276,7 +278,8 @@ def test_no_save_needs_no_writable_results_dir(tmp_path):
 def test_piped_tables_are_markdown_and_uncut(tmp_path):
     """`benchmarks.accounting | cat`: no cell cut to 'ex…' at 80 columns."""
     done = subprocess.run([sys.executable, "-m", "benchmarks.accounting", "--no-save"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "COLUMNS": "80", "TERM": "dumb"})
+                          text=True, timeout=900,  # a hang guard; it takes seconds
+                          env={**os.environ, "COLUMNS": "80", "TERM": "dumb"})
     assert done.returncode == 0, done.stderr
     assert "…" not in done.stdout
     assert "| symbol" in done.stdout and "exposed" in done.stdout

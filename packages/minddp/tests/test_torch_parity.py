@@ -229,7 +229,7 @@ def compare_with_torch(rank: int, world_size: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
 def diffs(request: pytest.FixtureRequest, ranks) -> tuple[int, list[dict[str, float]]]:
-    return request.param, ranks(compare_with_torch, request.param, timeout=120)
+    return request.param, ranks(compare_with_torch, request.param)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -294,5 +294,5 @@ def early_termination(rank: int, world_size: int) -> list[str]:
 
 def test_throw_on_early_termination_raises_on_every_rank_as_torch_does(ranks):
     # 2 ranks only: torch DDP takes seconds to raise.
-    for rank, (ours, theirs) in enumerate(ranks(early_termination, 2, timeout=60)):
+    for rank, (ours, theirs) in enumerate(ranks(early_termination, 2)):
         assert ours == theirs and "exhausted" in ours, f"rank {rank}: {ours!r} vs torch's {theirs!r}"
