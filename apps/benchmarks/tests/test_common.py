@@ -184,7 +184,7 @@ def test_the_report_names_a_torn_file_and_exits_1(tmp_path):
     assert report_main(["--results-dir", str(results), "--out", str(out)]) == 1
     text = out.read_text()
     assert "**Not read**" in text and str(torn) in text
-    assert "Not measured yet: run `python -m benchmarks.precision`" in text  # nothing made up from it
+    assert "Not measured yet: run `python -m benchmarks.precision --results-dir" in text  # nothing made up
     assert str(whole) not in text.split("## ")[0]  # the whole file is read as usual
     unreadable: list[str] = []
     build_report(results, out, unreadable)
@@ -304,10 +304,21 @@ def test_unique_temporary_names(tmp_path):
     assert oct(target.stat().st_mode & 0o777) == oct(0o666 & ~common._UMASK)
 
 
+def test_the_noise_rule_flags_negative_times_and_differences_within_their_spread():
+    assert common.is_noise(-203.682, 4.0)  # results/cpu/ddp.md's exposed comm: far below 0, still noise
+    assert common.is_noise(-1.5, 4.0) and common.is_noise(3.9, 4.0) and common.is_noise(-0.01)
+    assert not common.is_noise(30.0, 4.0) and not common.is_noise(0.0) and not common.is_noise(1e-3)
+    assert not common.is_noise(float("nan"), 4.0) and not common.is_noise(5.0, float("nan"))
+
+
 def test_derived_cells_within_noise_are_marked_not_printed_as_facts():
-    df = pd.DataFrame({"exposed ms": [-1.5, 30.0, 0.0], "exposed std": [4.0, 4.0, float("nan")],
-                       "x single": [0.98, 1.3, 1.0]})
-    shown = common.mark_noise(df, "exposed ms", "exposed std", {"exposed ms": "~0", "x single": "~1"})
-    assert shown["exposed ms"].tolist() == ["~0 (noise)", 30.0, 0.0]
-    assert shown["x single"].tolist() == ["~1 (noise)", 1.3, 1.0]
-    assert df["exposed ms"].tolist() == [-1.5, 30.0, 0.0]  # the data itself is kept
+    df = pd.DataFrame({"exposed ms": [-1.5, 30.0, 0.0, -203.682],
+                       "exposed std": [4.0, 4.0, float("nan"), 4.0], "x single": [0.98, 1.3, 1.0, 0.739]})
+    noisy = [common.is_noise(d, s) for d, s in zip(df["exposed ms"], df["exposed std"], strict=True)]
+    near = {"exposed ms": "~0", "x single": "~1"}
+    shown = common.with_noise_marked(df, noisy, list(near), near)
+    assert shown["exposed ms"].tolist() == ["~0 (noise)", 30.0, 0.0, "~0 (noise)"]
+    assert shown["x single"].tolist() == ["~1 (noise)", 1.3, 1.0, "~1 (noise)"]
+    plain = common.with_noise_marked(df, noisy, ["x single"])
+    assert plain["x single"].tolist() == ["0.98 (noise)", 1.3, 1.0, "0.739 (noise)"]
+    assert df["exposed ms"].tolist() == [-1.5, 30.0, 0.0, -203.682]  # the data itself is kept

@@ -201,8 +201,9 @@ def test_missing_experiments_say_which_command_to_run(tmp_path):
     out, plots = build_report(tmp_path / "nothing", tmp_path / "docs" / "report.md")
     text = out.read_text()
     assert plots == []
-    for s in SECTIONS:
-        assert f"Not measured yet: run `{s.command}`." in section(text, s.title)
+    for s in SECTIONS:  # a command that writes where this report reads
+        command = f"{s.command} --results-dir {(tmp_path / 'nothing').resolve()}"
+        assert f"Not measured yet: run `{command}`." in section(text, s.title)
 
 
 def test_every_section_is_measured_and_plotted(gpu_report):
@@ -220,10 +221,22 @@ def test_every_section_is_measured_and_plotted(gpu_report):
         assert f"]({p.name})" in text
 
 
-def test_commands_are_shown_without_the_scratch_results_dir(gpu_report):
-    text, _, _ = gpu_report
-    assert "Regenerate with `python -m benchmarks.ddp`." in section(text, title_of("ddp"))
-    assert "--results-dir" not in text
+def test_regenerate_commands_write_where_the_report_read(gpu_report):
+    """Copied, each 'Regenerate with' command writes the file the report read, not into the default folder."""
+    text, _, results = gpu_report
+    assert f"Regenerate with `python -m benchmarks.ddp --results-dir {results.resolve()}`." in text
+    commands = [c for line in text.splitlines() if line.startswith("Regenerate with")
+                for c in line.split("`")[1::2]]
+    assert len(commands) >= 9 and all(c.endswith(f"--results-dir {results.resolve()}") for c in commands)
+
+
+def test_a_recorded_results_dir_is_replaced_by_the_one_read(tmp_path):
+    from benchmarks.report.build import display_command
+
+    assert display_command("python -m benchmarks.flash --results-dir /scratch --quick", "results") == (
+        "python -m benchmarks.flash --quick --results-dir results")
+    assert display_command("python -m benchmarks.flash --results-dir=/x", "out") == (
+        "python -m benchmarks.flash --results-dir out")
 
 
 def test_e2e_statements(gpu_report):
@@ -232,7 +245,7 @@ def test_e2e_statements(gpu_report):
     tokens = pd.to_numeric(df["tokens/s"], errors="coerce")
     best = df.loc[tokens.idxmax()]
     assert f"Highest throughput: {best['size']} at context {best['context']}, {best['precision']}" in text
-    assert "bf16 autocast against fp32: 2.00x to 2.00x faster" in text
+    assert "bf16 autocast against fp32: 2.00x faster" in text and "2.00x to 2.00x" not in text
     assert "Out of memory: size=2.7B, precision=fp32: from context = 512." in text
     assert "The backward takes 2.00x the forward" in text
     assert "small 4.00x" in text  # step time grows with context: 512 / 128
@@ -281,8 +294,10 @@ def test_ddp_statements(gpu_report):
     assert "the bucket model predicts" in text  # from the allreduce fit on the same device
 
 
-def test_ddp_differences_within_noise_are_not_findings(tmp_path):
-    """A CPU-like run: bucketed 2 ms faster than one device with 5 ms of spread is noise, not 0.98x."""
+@pytest.mark.parametrize("device", [H100, "cpu"])
+def test_ddp_differences_within_noise_are_not_findings(tmp_path, device):
+    """Bucketed 2 ms faster than one device with 5 ms of spread is noise, not 0.98x; from a CPU run no
+    speed statement is made at all."""
     rows = pd.DataFrame([
         {"strategy": "single", "step ms": 100.0, "step std": 3.0, "exposed comm ms": 0.0, "exposed std": 0.0},
         {"strategy": "bucketed", "bucket MiB": 25.0, "step ms": 98.0, "step std": 4.0,
@@ -291,9 +306,14 @@ def test_ddp_differences_within_noise_are_not_findings(tmp_path):
         {"strategy": "naive", "step ms": 130.0, "step std": 4.0, "exposed comm ms": 30.0, "exposed std": 5.0},
     ])
     results = tmp_path / "results"
-    write(results, "ddp", rows, device="cpu")
+    write(results, "ddp", rows, device=device)
     out, _ = build_report(results, tmp_path / "docs" / "report.md")
     text = section(out.read_text(), title_of("ddp"))
+    assert "| ~0 (noise) " in text and "| -2 " not in text  # the table marks it as the command prints it
+    if device == "cpu":
+        assert "Speed: not read from this CPU run" in text and "x single" not in text.split("|")[-1]
+        assert "**Measured on a CPU.**" in out.read_text() and "Speed needs a GPU run." in out.read_text()
+        return
     assert "bucketed (25 MiB) 98 ms (within noise of single)" in text
     assert "bucketed (25 MiB) ~0 (noise), naive 30 ms" in text
     assert "Noise: 1 of 2 strategies" in text
@@ -310,7 +330,7 @@ def test_shardopt_statements(gpu_report):
 
 def test_fsdp_statements(gpu_report):
     text = section(gpu_report[0], title_of("fsdp"))
-    assert "fp32: minddp.FSDP holds 250 MB of parameters per rank, 2.00x less than DDP (500 MB)" in text
+    assert "fp32: minddp.FSDP holds 250 MB of parameters per rank, 2x less than DDP (500 MB)" in text
     assert "minddp.FSDP 126 ms per iteration against FSDP2's 120 ms (+5.0%); peak 2,000 MB a rank" in text
     assert "Settings: model xl." in text  # each model size's file has its table and findings
     assert "minddp.FSDP 252 ms per iteration against FSDP2's 240 ms (+5.0%); peak 3,000 MB a rank" in text
@@ -318,8 +338,10 @@ def test_fsdp_statements(gpu_report):
 
 def test_checkpointing_statements(gpu_report):
     text = section(gpu_report[0], title_of("checkpointing"))
-    assert "measured/model between 1.010 and 1.010 over 10 cells" in text
-    assert "context 1024, blocks: activations 100 MB (10.0x less than none), step 13.3 ms (+33%)" in text
+    assert "measured/model 1.010 over 10 cells" in text and "1.010 and 1.010" not in text
+    assert "context 1024, blocks: activations 100 MB (10x less than none)." in text
+    assert "context 1024, attention: activations 400 MB (2.5x less than none)." in text
+    assert "Step time at context 1024, against none's 10 ms: blocks 13.3 ms (+33%)" in text
     assert "Largest context each policy trains at" in text
 
 
@@ -327,7 +349,8 @@ def test_main_writes_the_report_where_asked(tmp_path, accounting_results):
     out = tmp_path / "site" / "report.md"
     main(["--results-dir", str(accounting_results), "--out", str(out)])
     text = out.read_text()
-    regenerate = "Regenerate with `python -m benchmarks.accounting --ddp-size tiny`"
+    regenerate = ("Regenerate with `python -m benchmarks.accounting --ddp-size tiny "
+                  f"--results-dir {accounting_results}`")
     assert regenerate in section(text, title_of("accounting"))
     assert (out.parent / "accounting_fsdp_memory.png").stat().st_size > 10_000
 

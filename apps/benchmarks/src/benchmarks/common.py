@@ -260,24 +260,39 @@ def to_markdown(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
                                        for c in df.columns] or None)
 
 
-def within_noise(difference: float, spread: float) -> bool:
-    """Whether a measured difference is smaller than its spread (one std of the difference), so its
-    sign, and any ratio built from it, is not a finding."""
-    return not math.isnan(difference) and not math.isnan(spread) and abs(difference) < spread
+def is_noise(excess: float, spread: float = 0.0) -> bool:
+    """The noise rule: the one test every table and the report apply before a timing is read as a finding.
 
-
-def mark_noise(df: pd.DataFrame, difference: str, spread: str, derived: dict[str, str]) -> pd.DataFrame:
-    """A copy for printing in which, on rows where ``difference`` is within ``spread``, each column of
-    ``derived`` reads its value there (``{"exposed ms": "~0", "x single": "~1"}``) followed by NOISE.
-
-    The numbers stay in the saved results (with the spread beside them); what is printed as a
-    finding is only what the measurement can tell apart.
+    ``excess`` is a measured time, or the part of one that a difference of times measures, that cannot
+    be negative: a time itself, the communication a data-parallel step exposes (its step minus one
+    device's), the backward inside a fwd+bwd (fwd+bwd minus fwd). It is noise when it is not above its
+    spread (one std of it; 0 where none was measured): negative, or within one spread of zero. Then
+    neither its value, its sign nor a ratio built on it is a finding. A signed comparison of two
+    alternatives (ours against torch's) passes the size of their difference, ``abs(a - b)``.
     """
-    noisy = [within_noise(d, s) for d, s in zip(pd.to_numeric(df[difference], errors="coerce"),
-                                                pd.to_numeric(df[spread], errors="coerce"), strict=True)]
-    shown = df.astype({column: object for column in derived})
-    for column, near in derived.items():
-        shown.loc[noisy, column] = f"{near} {NOISE}"
+    return not (math.isnan(excess) or math.isnan(spread)) and excess < spread
+
+
+def noise_text(value: Any, near: str | None = None, float_format: str = "{:.3g}") -> str:
+    """How a cell that :func:`is_noise` flags prints: '~0 (noise)' with ``near='~0'``, else '12.3 (noise)'."""
+    return f"{near if near is not None else cell_text(value, float_format)} {NOISE}"
+
+
+def with_noise_marked(df: pd.DataFrame, noisy: Iterable[bool], columns: Iterable[str],
+                      near: dict[str, str] | None = None) -> pd.DataFrame:
+    """A copy for printing in which, on the ``noisy`` rows, each of ``columns`` reads as :func:`noise_text`
+    writes it (``near`` gives a column the value the noise is about, '~0' or '~1', instead of its own).
+
+    The numbers stay in the saved results (with their spread where one was measured); what is printed
+    as a finding is only what the measurement can tell apart.
+    """
+    flags = list(noisy)
+    columns = [c for c in columns if c in df.columns]
+    shown = df.astype({column: object for column in columns})
+    for column in columns:
+        for index, flagged in zip(shown.index, flags, strict=True):
+            if flagged:
+                shown.at[index, column] = noise_text(df.at[index, column], (near or {}).get(column))
     return shown
 
 

@@ -44,11 +44,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import (
+    NOISE,
     console,
     float_list,
     free_device_memory,
+    is_noise,
     make_parser,
-    mark_noise,
     nonnegative_int,
     parse_args,
     positive_float,
@@ -56,6 +57,7 @@ from benchmarks.common import (
     print_table,
     save_results,
     str_list,
+    with_noise_marked,
 )
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import make_ddp
@@ -203,9 +205,27 @@ def benchmark(setup: Setup, backend: str) -> list[dict[str, object]]:
             "peak GiB": peak,
         })
         if rank == 0:
-            console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ({step_mean / single_mean:.3f}x single, "
-                          f"overhead {step_median - single_median:+.2f} ms)")
+            console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ("
+                          + against_single(rows[-1], single_mean) + ")")
     return with_torch_ratio(rows)
+
+
+def overhead_is_noise(row: dict[str, object]) -> bool:
+    """The noise rule (:func:`is_noise`) on what a row adds to the bare model's step: its exposed
+    communication (from the means) or its overhead (from the medians), against the spread of that
+    difference. Either within noise, and the row's differences and ratios are not findings."""
+    spread = float(row["exposed std"])
+    return row["strategy"] != SINGLE and (is_noise(float(row["exposed comm ms"]), spread)
+                                          or is_noise(float(row["overhead ms"]), spread))
+
+
+def against_single(row: dict[str, object], single_mean: float) -> str:
+    """'1.472x single, overhead +7.36 ms', or '~1x single, overhead ~0 (noise)' where the rule says so."""
+    if row["strategy"] == SINGLE:
+        return "the reference"
+    if overhead_is_noise(row):
+        return f"~1x single, overhead ~0 {NOISE}"
+    return f"{float(row['step ms']) / single_mean:.3f}x single, overhead {float(row['overhead ms']):+.2f} ms"
 
 
 def with_torch_ratio(rows: list[dict[str, object]]) -> list[dict[str, object]]:
@@ -220,9 +240,16 @@ def with_torch_ratio(rows: list[dict[str, object]]) -> list[dict[str, object]]:
 
 def print_overheads(df: pd.DataFrame) -> None:
     """Each wrapper's overhead over the bare model, beside torch DDP's from the same run."""
-    for row in df[df["strategy"] != SINGLE].to_dict("records"):
+    rows = df.to_dict("records")
+    torch_noise = any(overhead_is_noise(r) for r in rows if r["strategy"] == "torch")
+    for row in (r for r in rows if r["strategy"] != SINGLE):
         size = "" if math.isnan(row["bucket MiB"]) else f" {row['bucket MiB']:g} MiB"
-        ratio = "" if math.isnan(row["/ torch"]) else f"  = {row['/ torch']:.2f}x torch DDP's"
+        if overhead_is_noise(row):
+            console.print(f"  {row['strategy'] + size:<22} overhead ~0 {NOISE} over the bare model (within "
+                          f"its spread, ±{row['exposed std']:.2f} ms)")
+            continue
+        ratio = ("" if math.isnan(row["/ torch"]) else "  (torch DDP's overhead is noise: no ratio)"
+                 if torch_noise else f"  = {row['/ torch']:.2f}x torch DDP's")
         console.print(f"  {row['strategy'] + size:<22} overhead {row['overhead ms']:+8.2f} ms over the bare "
                       f"model{ratio}")
     if not (df["strategy"] == "torch").any():
@@ -282,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     if rows is None:  # a torchrun rank other than 0
         return
     df = pd.DataFrame(rows)
-    print_table(mark_noise(df, "exposed comm ms", "exposed std", {"exposed comm ms": "~0", "x single": "~1"}),
+    near = {"exposed comm ms": "~0", "overhead ms": "~0", "x single": "~1"}
+    print_table(with_noise_marked(df, map(overhead_is_noise, rows), [*near, "/ torch"], near),
                 f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
                 f"{nproc} ranks ({args.backend})")
     print_overheads(df)

@@ -47,6 +47,7 @@ from benchmarks.common import (
     device,
     free_device_memory,
     int_list,
+    is_noise,
     is_oom,
     make_parser,
     median_time,
@@ -58,6 +59,7 @@ from benchmarks.common import (
     progress,
     save_results,
     str_list,
+    with_noise_marked,
 )
 from benchmarks.flash_features import FEATURES, run_features, window_speedup
 
@@ -343,11 +345,46 @@ def add_ratios(df: pd.DataFrame, passes: list[str], causal: bool) -> pd.DataFram
     return out
 
 
+def passes_contradict(times: dict[str, float]) -> bool:
+    """Whether a row's pass times contradict each other by the noise rule (:func:`is_noise`): a time below 0,
+    or fwd+bwd below fwd or below bwd (the other pass inside it would take negative time)."""
+    values = {p: t for p, t in times.items() if not math.isnan(t)}
+    parts = [values[p] for p in ("fwd", "bwd") if p in values]
+    inside = [values["fwd+bwd"] - part for part in parts] if "fwd+bwd" in values else []
+    return any(is_noise(t) for t in [*values.values(), *inside])
+
+
+def noisy_rows(df: pd.DataFrame) -> pd.Series:
+    """Per row of a flash table: its pass times contradict each other (:func:`passes_contradict`)."""
+    passes = [p for p in PASSES if f"{p} ms" in df.columns]
+    times = pd.DataFrame({p: pd.to_numeric(df[f"{p} ms"], errors="coerce") for p in passes}, index=df.index)
+    return pd.Series([passes_contradict(row) for row in times.to_dict("records")], index=df.index, dtype=bool)
+
+
+def shown_with_noise(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as printed: a row whose times contradict each other reads '<value> (noise)' in every
+    timing column, and so does every 'x <backend>' ratio whose baseline row is such a row."""
+    noisy = noisy_rows(df)
+    key = [c for c in ("batch*heads", "T", "d", "dtype") if c in df.columns]
+    timing = [c for c in df.columns if c.endswith((" ms", " TFLOP/s")) or " x " in c]
+    shown = with_noise_marked(df, noisy, timing)
+    for label, baseline in BASELINES.items():
+        is_base = df["impl"] == baseline
+        if not is_base.any():
+            continue
+        noisy_keys = df.loc[is_base & noisy, key].drop_duplicates()
+        hit = df[key].merge(noisy_keys.assign(_hit=True), on=key, how="left")["_hit"].notna().to_numpy()
+        hit = hit & ~noisy.to_numpy()  # those rows are marked already
+        ratios = [c for c in df.columns if c.endswith(f" x {label}")]
+        shown.loc[hit, ratios] = with_noise_marked(df, hit, ratios).loc[hit, ratios]
+    return shown
+
+
 def geomean_summary(df: pd.DataFrame, passes: list[str], min_seq: int) -> list[str]:
     """One line per (dtype, impl, SDPA backend): the geometric-mean speedup of each pass over T >= min_seq."""
     lines = []
     for dtype in df["dtype"].unique():
-        rows = df[(df["dtype"] == dtype) & (df["T"] >= min_seq)]
+        rows = df[(df["dtype"] == dtype) & (df["T"] >= min_seq) & ~noisy_rows(df)]
         for impl in [i for i in rows["impl"].unique() if not i.startswith("sdpa")]:
             mine = rows[rows["impl"] == impl]
             for label in BASELINES:
@@ -495,7 +532,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ]
     df = add_ratios(pd.DataFrame(rows), args.passes, args.causal)
     print_table(
-        df.drop(columns=["causal"]),
+        shown_with_noise(df.drop(columns=["causal"])),
         f"attention, {'causal' if args.causal else 'not causal'}, "
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}"
         f"{', CUDA graphs' if args.cuda_graphs else ''}",

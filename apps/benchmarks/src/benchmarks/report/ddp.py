@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from benchmarks.common import NOISE, within_noise
+from benchmarks.common import NOISE, is_noise, with_noise_marked
 from benchmarks.report.allreduce import fit_allreduce
 from benchmarks.report.core import (
     Context,
@@ -37,12 +37,24 @@ def ddp_labels(df: pd.DataFrame) -> pd.Series:
 
 
 def noise_flags(df: pd.DataFrame) -> pd.Series:
-    """Rows whose difference from one device (exposed comm) is within its recorded spread."""
-    if not {"exposed comm ms", "exposed std"} <= set(df.columns):
+    """Rows whose difference from one device is noise by the rule every table applies
+    (:func:`benchmarks.ddp.overhead_is_noise`); none where the results lack the columns it reads."""
+    from benchmarks.ddp import overhead_is_noise
+
+    if not {"strategy", "exposed comm ms", "exposed std"} <= set(df.columns):
         return pd.Series(False, index=df.index)
-    return pd.Series([within_noise(d, s) for d, s in zip(numeric(df["exposed comm ms"]),
-                                                          numeric(df["exposed std"]), strict=True)],
-                     index=df.index)
+    rows = df.assign(**{c: numeric(df[c]) for c in ("exposed comm ms", "exposed std")})
+    if "overhead ms" not in rows:
+        rows = rows.assign(**{"overhead ms": rows["exposed comm ms"]})
+    rows = rows.assign(**{"overhead ms": numeric(rows["overhead ms"])})
+    return pd.Series([overhead_is_noise(r) for r in rows.to_dict("records")], index=df.index, dtype=bool)
+
+
+def noise_marked(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as the report shows it: on noisy rows, the differences read '~0 (noise)' and the ratios
+    '~1 (noise)' (as ``python -m benchmarks.ddp`` prints them)."""
+    near = {"exposed comm ms": "~0", "overhead ms": "~0", "x single": "~1"}
+    return with_noise_marked(df, noise_flags(df), [*near, "/ torch"], near)
 
 
 def against_single(row: pd.Series, ref: float) -> str:
@@ -55,7 +67,7 @@ def render_ddp(ctx: Context) -> list[str]:
         df = f.df
         facts = [f"{f.meta['model']} model" if "model" in f.meta else "", f.meta.get("precision", ""),
                  f"{f.meta['ranks']} ranks" if "ranks" in f.meta else ""]
-        lines += ctx.table(f, ", ".join(["DDP step time", *filter(None, facts)]))
+        lines += ctx.table(f, ", ".join(["DDP step time", *filter(None, facts)]), noise_marked(df))
         missing = missing_columns(df, ["strategy", "step ms"])
         if missing:
             lines.append(missing_note("The analysis", missing))
@@ -64,9 +76,9 @@ def render_ddp(ctx: Context) -> list[str]:
         single = df[df["strategy"] == "single"]["step"]
         dist = df[(df["strategy"] != "single") & df["step"].notna()].sort_values("step")
         if single.notna().any() and len(dist):
-            lines += step_findings(df, dist, float(single.iloc[0]))
-            lines.append(ddp_prediction(ctx, f, dist[dist["strategy"] == "bucketed"]))
-        lines += ["", ddp_plot(ctx, df), ""]
+            lines += ctx.speed(*step_findings(df, dist, float(single.iloc[0])),
+                               ddp_prediction(ctx, f, dist[dist["strategy"] == "bucketed"]))
+        lines += ["", ddp_plot(ctx, df) if ctx.measures_speed else None, ""]
     return lines
 
 
@@ -95,11 +107,21 @@ def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]
                          "verdict on the 1.10x goal.")
         else:
             verdict = "meets" if b["step"] / ref <= 1.10 else "misses"
-            change = (b["step"] / torch_ddp["step"].iloc[0] - 1) * 100 if len(torch_ddp) else math.nan
-            against = "." if math.isnan(change) else f"; {change:+.1f}% against torch DDP, same run."
+            against = "." if torch_ddp.empty else f"; {against_torch(b, torch_ddp.iloc[0])}, same run."
             lines.append(f"- Best bucketed: {b['label']}, {b['step'] / ref:.3f}x single ({verdict} the 1.10x "
                          f"goal){against}")
     return lines
+
+
+def against_torch(ours: pd.Series, torch_ddp: pd.Series) -> str:
+    """'+14.4% against torch DDP', or 'within noise of torch DDP' where the noise rule says so (a signed
+    comparison: the size of the difference against its spread)."""
+    change = ours["step"] - torch_ddp["step"]
+    spread = (math.hypot(float(ours["step std"]), float(torch_ddp["step std"]))
+              if "step std" in ours and "step std" in torch_ddp else 0.0)
+    if is_noise(abs(change), spread):
+        return "within noise of torch DDP"
+    return f"{change / torch_ddp['step'] * 100:+.1f}% against torch DDP"
 
 
 def ddp_prediction(ctx: Context, f: ResultFile, bucketed: pd.DataFrame) -> str | None:

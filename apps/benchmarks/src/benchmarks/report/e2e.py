@@ -22,6 +22,7 @@ from benchmarks.report.core import (
     plain,
     shorten,
     style,
+    value_range,
 )
 
 
@@ -55,7 +56,7 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
         return [missing_note("The analysis", missing)]
     df = df.assign(step=numeric(df["step ms"]))
     variants = [c for c in ("precision", "attention") if c in df.columns and df[c].nunique() > 1]
-    lines = []
+    lines = []  # about speed: a GPU's results only (ctx.speed)
     if "tokens/s" in df.columns and numeric(df["tokens/s"]).notna().any():
         best = df.loc[numeric(df["tokens/s"]).idxmax()]
         which = "".join(f", {best[c]}" for c in variants)
@@ -73,7 +74,7 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
         speedup = (pairs["step_32"] / pairs["step_16"]).dropna()
         if len(speedup):
             top = pairs.loc[speedup.idxmax()]
-            lines.append(f"- bf16 autocast against fp32: {speedup.min():.2f}x to {speedup.max():.2f}x faster "
+            lines.append(f"- bf16 autocast against fp32: {value_range(speedup.min(), speedup.max())} faster "
                          f"(median {speedup.median():.2f}x over {len(speedup)} pairs); the largest gain is "
                          f"{top['size']} at context {top['context']}.")
     contexts = sorted(numeric(df["context"]).dropna().unique())
@@ -95,10 +96,11 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
         ratio = (numeric(df["bwd ms"]) / numeric(df["fwd ms"])).dropna()
         if len(ratio):
             lines.append(f"- The backward takes {ratio.median():.2f}x the forward (median; "
-                         f"{ratio.min():.2f}x to {ratio.max():.2f}x).")
+                         f"{value_range(ratio.min(), ratio.max())}).")
     ooms = first_oom(df, "step ms", "context", ["size", *variants])
+    lines = ctx.speed(*lines)
     lines.append(f"- Out of memory: {'; '.join(ooms)}." if ooms else "- No configuration ran out of memory.")
-    plot = e2e_plot(ctx, f, df, variants)
+    plot = e2e_plot(ctx, f, df, variants) if ctx.measures_speed else None
     return lines + (["", plot] if plot else [])
 
 
