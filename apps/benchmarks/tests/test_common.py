@@ -322,3 +322,28 @@ def test_derived_cells_within_noise_are_marked_not_printed_as_facts():
     plain = common.with_noise_marked(df, noisy, ["x single"])
     assert plain["x single"].tolist() == ["0.98 (noise)", 1.3, 1.0, "0.739 (noise)"]
     assert df["exposed ms"].tolist() == [-1.5, 30.0, 0.0, -203.682]  # the data itself is kept
+
+
+def test_terminal_tables_at_80_columns_cut_no_cell(monkeypatch):
+    """The issue's cuts at 80-120 columns ('stra…', 'float…', '2.34e…'): a wide table is printed in parts,
+    each with the columns that name a row, and every cell whole."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    terminal = Console(file=screen, width=80, force_terminal=True, color_system=None)
+    monkeypatch.setattr(common, "console", terminal)
+    wide = {f"column {i} with a long name": [1.23456e-7 * i, 12345.678, -0.00021] for i in range(8)}
+    df = pd.DataFrame({"strategy": ["single", "bucketed", "torch"], "bucket MiB": [float("nan"), 25.0, 100.0],
+                       "dtype": "float32", "exposed comm ms": ["~0 (noise)", 2.34567e-05, 0.000943], **wide})
+    common.print_table(df, "a table wider than the terminal")
+    text = screen.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+    cells = {common.cell_text(v) for column in df.columns for v in df[column]}
+    lines = [line.split("│") for line in text.splitlines()]
+    shown = {cell.strip() for line in lines for cell in line}
+    assert cells <= shown, cells - shown  # every number whole, in one cell
+    assert text.count("part 1 of") == 1 and shown >= {"single", "bucketed", "torch"}
+    headers = " ".join(text.split())
+    assert all(word in headers for column in df.columns for word in column.split())

@@ -102,8 +102,12 @@ def test_flops_and_shapes():
 def test_help_explains_the_columns(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
     assert "--naive-max-seq" in text and "x flash" in text
+    assert "(default: None)" not in text  # '--seq ... (default 128,...,65536)' said once, not twice
+    assert text.count("default 16,32,64,128") == 1 and "(default: 16384)" in text
+    # the help is true on a CPU too: there sdpa-flash takes float32 and is the "x flash" baseline
+    assert "on a CPU, SDPA's flash backend is PyTorch's CPU kernel, which takes float32" in text
 
 
 def test_times_that_contradict_each_other_are_noise_not_findings():

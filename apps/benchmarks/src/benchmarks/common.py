@@ -1,6 +1,7 @@
 """What every experiment shares: device facts, checked arguments, result files, tables, OOM cells.
 
-Results go to ``<results-dir>/<device>/<experiment>.csv`` (metadata as leading ``# key: value``
+Results go to ``<results-dir>/<device>/<experiment>.csv`` (``out/`` unless ``--results-dir`` names
+another folder: a checkout stays clean) (metadata as leading ``# key: value``
 lines; read back with :func:`read_results`) with a Markdown copy beside it. Each file is written
 whole to a temporary file in its folder and then renamed over the old one, so a full disk, a
 crash or a second run writing the same file never leaves a torn file: the old one stays, or the
@@ -19,6 +20,7 @@ import csv
 import datetime as _dt
 import io
 import math
+import numbers
 import os
 import re
 import shlex
@@ -40,6 +42,7 @@ console = Console(soft_wrap=True)  # long lines are not cut or folded at 80 colu
 T = TypeVar("T")
 OOM = "OOM"
 UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
+DEFAULT_RESULTS_DIR = Path("out")  # untracked: running an experiment leaves a checkout clean
 NOISE = "(noise)"  # a derived cell whose inputs differ by less than their spread: "~0 (noise)"
 
 
@@ -76,7 +79,14 @@ def run_metadata(command: str) -> dict[str, str]:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the description's paragraphs as written and shows every option's default."""
+    """--help keeps the description's paragraphs as written and shows every option's default, once: not
+    where the help states it already, nor a None that means 'chosen at run time' (the help says how)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -90,8 +100,9 @@ def make_parser(experiment: str, description: str) -> ArgumentParser:
     """An experiment's parser (description: its module docstring), with the options every experiment has."""
     parser = ArgumentParser(prog=f"python -m benchmarks.{experiment}", description=description,
                             formatter_class=HelpFormatter)
-    parser.add_argument("--results-dir", type=Path, default=Path("results"),
-                        help="write <results-dir>/<device>/<name>.csv and .md")
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                        help="write <results-dir>/<device>/<name>.csv and .md (the default, out/, is not "
+                             "tracked by git; the committed results are in results/)")
     parser.add_argument("--no-save", action="store_true", help="print the tables, write no files")
     return parser
 
@@ -273,6 +284,11 @@ def is_noise(excess: float, spread: float = 0.0) -> bool:
     return not (math.isnan(excess) or math.isnan(spread)) and excess < spread
 
 
+def is_measured(value: Any) -> bool:
+    """Whether a cell holds a number (not a reason such as OOM, nor NaN)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
 def noise_text(value: Any, near: str | None = None, float_format: str = "{:.3g}") -> str:
     """How a cell that :func:`is_noise` flags prints: '~0 (noise)' with ``near='~0'``, else '12.3 (noise)'."""
     return f"{near if near is not None else cell_text(value, float_format)} {NOISE}"
@@ -291,24 +307,88 @@ def with_noise_marked(df: pd.DataFrame, noisy: Iterable[bool], columns: Iterable
     shown = df.astype({column: object for column in columns})
     for column in columns:
         for index, flagged in zip(shown.index, flags, strict=True):
-            if flagged:
-                shown.at[index, column] = noise_text(df.at[index, column], (near or {}).get(column))
+            value = df.at[index, column]
+            if flagged and is_measured(value):  # 'OOM', 'unsupported' or no value stay as they are
+                shown.at[index, column] = noise_text(value, (near or {}).get(column))
     return shown
 
 
 def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> None:
-    """A rich table on a terminal; where stdout is not one (a pipe, a file), the Markdown form, uncut."""
+    """A rich table on a terminal; where stdout is not one (a pipe, a file), the Markdown form, uncut.
+
+    On a terminal no cell is ever cut: a table wider than the terminal is printed in parts, each
+    holding the leading columns that name a row (:func:`key_columns`) and as many others as fit; a
+    number is never folded, and only text wraps, inside its cell.
+    """
     if not console.is_terminal:
         console.print(f"\n{title}\n\n{to_markdown(df, float_format)}\n", markup=False, highlight=False,
                       soft_wrap=True)
         return
-    table = Table(title=title, title_justify="left")
-    for column in df.columns:
-        numeric = pd.api.types.is_numeric_dtype(df[column])
-        table.add_column(str(column), justify="right" if numeric else "left")
-    for row in df.itertuples(index=False):
-        table.add_row(*(escape(cell_text(v, float_format)) for v in row))
-    console.print(table)
+    cells = {str(c): [cell_text(v, float_format) for v in df[c]] for c in df.columns}
+    numeric = {str(c): pd.api.types.is_numeric_dtype(df[c]) for c in df.columns}
+    parts = column_parts(cells, console.width)
+    for index, columns in enumerate(parts):
+        suffix = (f" (part {index + 1} of {len(parts)}: the table is wider than the terminal)"
+                  if len(parts) > 1 else "")
+        table = Table(title=escape(title + suffix), title_justify="left")
+        for column in columns:
+            table.add_column(escape(column), justify="right" if numeric[column] else "left", overflow="fold",
+                             min_width=_needed_width(column, cells[column]))
+        for row in zip(*(cells[c] for c in columns), strict=True):
+            table.add_row(*map(escape, row))
+        console.print(table)
+
+
+_TEXT_WRAP_WIDTH = 24  # a text cell longer than this may wrap inside its column (a number never does)
+_CELL_FRAME = 3  # rich's padding on either side of a cell and the border after it
+
+
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return text == UNDEFINED
+    return True
+
+
+def _needed_width(header: str, texts: list[str]) -> int:
+    """The narrowest a column may be with nothing cut: every number whole, the header's longest word whole,
+    text cells wrapped at _TEXT_WRAP_WIDTH at most."""
+    words = max((len(word) for word in header.split()), default=1)
+    numbers = max((len(t) for t in texts if _is_number_text(t)), default=0)
+    text = min(max((len(t) for t in texts if not _is_number_text(t)), default=0), _TEXT_WRAP_WIDTH)
+    return max(words, numbers, text, 1)
+
+
+def key_columns(cells: dict[str, list[str]], width: int) -> list[str]:
+    """The leading columns that name a row (up to the first holding a fraction, such as a time), repeated
+    in every part of a table too wide for the terminal; as many of them as fit in 40% of its width."""
+    keys: list[str] = []
+    for column, texts in cells.items():
+        if any(_is_number_text(t) and t != UNDEFINED and not float(t).is_integer() for t in texts):
+            break
+        keys.append(column)
+    keys = keys[:-1] if len(keys) == len(cells) else keys
+    while keys[1:] and sum(_needed_width(k, cells[k]) + _CELL_FRAME for k in keys) > 0.4 * width:
+        constant = [k for k in keys if len(set(cells[k])) == 1]  # the first part shows those
+        keys.remove(constant[0] if constant else keys[-1])
+    return keys or list(cells)[:1]
+
+
+def column_parts(cells: dict[str, list[str]], width: int) -> list[list[str]]:
+    """The columns of each part a table is printed in at ``width``: all in one where they fit, else the
+    key columns and, in order, as many of the others as fit beside them (at least one each)."""
+    cost = {c: _needed_width(c, texts) + _CELL_FRAME for c, texts in cells.items()}
+    if sum(cost.values()) + 1 <= width:
+        return [list(cells)]
+    keys = key_columns(cells, width)
+    parts: list[list[str]] = []
+    room = width - 1 - sum(cost[k] for k in keys)
+    for column in (c for c in cells if c not in keys):
+        if not parts or sum(cost[c] for c in parts[-1]) + cost[column] > room:
+            parts.append([])
+        parts[-1].append(column)
+    return [[*keys, *part] for part in parts]
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -8,12 +8,16 @@ inputs of shape (1, batch*heads, T, d), causal by default:
   naive           softmax(q k^T / sqrt(d)) v with the T x T scores in memory
   sdpa-flash      torch.nn.functional.scaled_dot_product_attention, FLASH_ATTENTION backend
   sdpa-cudnn      ... CUDNN_ATTENTION backend
-  sdpa-efficient  ... EFFICIENT_ATTENTION backend (the one that takes float32)
+  sdpa-efficient  ... EFFICIENT_ATTENTION backend (on a GPU, the one that takes float32)
 
 The sweep is batch*heads = --batch, T in --seq, d in --dims, each dtype in --dtypes, plus the
 bfloat16 shapes in --shapes. A cell reads OOM when the GPU ran out of memory, unsupported when the
-implementation does not run here (SDPA's flash and cuDNN backends take no float32), and skipped when
-T is above --naive-max-seq / --torch-max-seq (those two would take minutes per cell, not fail).
+implementation does not run here (on a GPU, SDPA's flash and cuDNN backends take no float32; on a CPU,
+SDPA's flash backend is PyTorch's CPU kernel, which takes float32 and is the baseline of every
+"x flash" column there, while the Triton kernels need a GPU), and skipped when T is above
+--naive-max-seq / --torch-max-seq (those two would take minutes per cell, not fail). A row whose times
+contradict each other (fwd+bwd below fwd or bwd: timing noise, common on a busy CPU) prints "(noise)"
+after each of its timings, and after each ratio against it.
 TFLOP/s counts 4*B*T*T*d for the forward (half of it when causal) and 2.5 times that for the
 backward. The columns "x flash", "x cudnn", "x efficient" are the speedup over that SDPA backend
 (its time / this time: above 1 is faster); their geometric means over T >= --geomean-min-seq are
@@ -176,7 +180,12 @@ def attention_fn(impl: str, dev: torch.device) -> Callable[..., torch.Tensor] | 
 def make_timer(dev: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], object]], float]:
     """fn -> median milliseconds: triton.testing.do_bench on CUDA, wall clock on CPU."""
     if dev.type == "cuda":
-        from triton.testing import do_bench
+        try:
+            from triton.testing import do_bench
+        except ImportError as exc:
+            raise SystemExit("error: timing on CUDA uses triton.testing.do_bench, and Triton is not "
+                             "installed: pip install './apps/benchmarks[cuda]' (CUDA builds of torch bring "
+                             "it)") from exc
 
         return lambda fn: float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
@@ -456,7 +465,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "'' for none)",
     )
     parser.add_argument(
-        "--impls", type=str_list(IMPLS), default=None, help=f"implementations ({', '.join(IMPLS)})"
+        "--impls", type=str_list(IMPLS), default=None,
+        help=f"implementations among {', '.join(IMPLS)} (default all)"
     )
     parser.add_argument("--passes", type=str_list(PASSES), default=PASSES, help="passes to time")
     parser.add_argument(

@@ -11,8 +11,10 @@ difference within it prints as "~0 (noise)", not as a finding.
 from __future__ import annotations
 
 import importlib
+import shlex
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -40,10 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
-        console.rule(f"[bold]python -m benchmarks.{name} {' '.join(module.TOUR_ARGS)}")
+        console.rule(f"[bold]{name}")
+        beside = ["--out", str(Path(args.results_dir) / "report.md")] if name == "report" else []
+        argv = [*module.TOUR_ARGS, *shared, *beside]
+        command = shlex.join(["python", "-m", f"benchmarks.{name}", *argv])
+        console.print(f"$ {command}", markup=False, highlight=False, soft_wrap=True)  # whole, on its own line
         start = time.perf_counter()
         try:
-            status = module.main([*module.TOUR_ARGS, *shared])
+            status = module.main(argv)
             ok = not (isinstance(status, int) and status != 0)  # mains return an exit status, a table or None
             outcomes.append((name, "ok" if ok else "FAILED", time.perf_counter() - start))
         except (Exception, ResultsNotSaved):  # a failed save ends that experiment, not the tour

@@ -8,7 +8,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from benchmarks.common import console, make_parser, parse_args, write_atomically
+from benchmarks.common import DEFAULT_RESULTS_DIR, console, make_parser, parse_args, write_atomically
 from benchmarks.report.core import Context, ResultFile, Section, choose_device, load_results, render_tables
 from benchmarks.report.registry import SECTIONS
 
@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             action.help = "read every <results-dir>/<device>/<name>.csv"
         elif action.dest == "no_save":
             action.help = "print the report instead of writing it and its plots"
-    parser.add_argument("--out", type=Path, default=Path("docs/report.md"),
-                        help="the report; plots are written beside it")
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR / "report.md",
+                        help="the report; plots are written beside it. The committed docs/report.md is "
+                             "rebuilt only when asked: --results-dir results --out docs/report.md")
     args = parse_args(parser, argv, writes_results=False)
     unreadable: list[str] = []
     if not args.results_dir.is_dir():
