@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.common import save_results
 from benchmarks.report import SECTIONS, build_report, fit_allreduce, main
+from benchmarks.report.core import axes, style
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -420,3 +421,47 @@ def test_oom_everywhere_is_not_a_crash(tmp_path):
     text = section(out.read_text(), title_of("e2e"))
     assert "Out of memory: size=small, precision=fp32: from context = 128" in text
     assert not math.isnan(len(text))
+
+
+COMMITTED_RESULTS = Path(__file__).resolve().parents[3] / "results"
+
+
+@pytest.fixture(scope="module")
+def committed_report(tmp_path_factory):
+    """The report as `python -m benchmarks.report --results-dir results` writes it from the committed ones."""
+    out, _ = build_report(COMMITTED_RESULTS, tmp_path_factory.mktemp("committed") / "report.md")
+    return out.read_text()
+
+
+def test_the_committed_results_report_reads_as_written_with_care(committed_report):
+    """The issue's glitches: units 'nan', 'C = 459000000000000.0', '1.70x to 1.70x', '1.0x less than none'."""
+    import re
+
+    text = committed_report
+    assert not re.search(r"\bnan\b", text, re.IGNORECASE)
+    assert not re.findall(r"(?<![\w.])\d{7,}\.\d+", text)  # a float above 1e6 printed raw
+    words = [w.strip(",;.()") for w in text.split()]
+    repeated = [" ".join(words[i - 1:i + 2]) for i, w in enumerate(words[1:-1], start=1)
+                if w in ("to", "and") and words[i - 1] == words[i + 1] and words[i - 1][:1].isdigit()]
+    assert not repeated, repeated  # '1.70x to 1.70x'
+    assert "1.0x less" not in text and "1.0x more" not in text
+    assert "4.59e+14" in text  # the TPU's FLOP/s, as a number a reader can take in
+    commands = [c for line in text.splitlines() if line.startswith("Regenerate with")
+                for c in line.split("`")[1::2]]
+    from benchmarks.report.build import as_typed
+
+    assert commands and all(c.endswith(f"--results-dir {as_typed(COMMITTED_RESULTS)}") for c in commands)
+
+
+def test_close_x_values_are_not_ticked_on_top_of_each_other():
+    """checkpointing_memory_time.png printed step times 307, 311 and 351 ms as one '307311351'."""
+    fig, (ax,) = axes()
+    ax.plot([267.4, 307.5, 311.9, 351.1, 359.1], [1, 2, 3, 4, 5], marker="o", label="policy")
+    style(ax, "step time (ms)", "memory (MB)", "checkpointing")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    low, high = ax.get_xlim()
+    boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels(which="both")
+             if t.get_visible() and t.get_text() and low <= t.get_position()[0] <= high]
+    assert boxes and not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    plt.close(fig)

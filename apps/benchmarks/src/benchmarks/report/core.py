@@ -277,7 +277,7 @@ def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True,
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(True, which="both", alpha=0.3)
     xs = sorted({x for line in ax.get_lines() for x in line.get_xdata() if x > 0 and math.isfinite(x)})
-    if logx and 0 < len(xs) <= 12:  # few measured sizes: tick exactly those
+    if logx and 0 < len(xs) <= 12 and labels_apart(xs):  # few measured sizes, apart: tick exactly those
         ax.set_xticks(xs, [f"{x:g}" for x in xs], rotation=45 if len(xs) > 6 else 0)
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         logx = False  # ticks are set: leave the minor formatter alone
@@ -291,6 +291,16 @@ def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True,
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     elif handles:
         ax.legend(fontsize=8)
+
+
+def labels_apart(xs: list[float], least: float = 0.08) -> bool:
+    """Whether ticks at each of xs (sorted, positive) on a log axis leave room for their labels: each
+    neighbour at least ``least`` of the axis span away (about a label's width), so that none overprints
+    (step times 307, 311, 351 ms did: '307311351')."""
+    if len(xs) < 2:
+        return True
+    span = math.log(xs[-1] / xs[0])
+    return all(math.log(b / a) >= least * span for a, b in zip(xs, xs[1:], strict=False))
 
 
 def geomean(values: Iterable[float]) -> float:
