@@ -318,7 +318,7 @@ def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> N
 
     On a terminal no cell is ever cut: a table wider than the terminal is printed in parts, each
     holding the leading columns that name a row (:func:`key_columns`) and as many others as fit; a
-    number is never folded, and only text wraps, inside its cell.
+    number is never folded, and only headers and text wrap, inside their cells.
     """
     if not console.is_terminal:
         console.print(f"\n{title}\n\n{to_markdown(df, float_format)}\n", markup=False, highlight=False,
@@ -327,14 +327,14 @@ def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> N
     cells = {str(c): [cell_text(v, float_format) for v in df[c]] for c in df.columns}
     numeric = {str(c): pd.api.types.is_numeric_dtype(df[c]) for c in df.columns}
     parts = column_parts(cells, console.width)
-    for index, columns in enumerate(parts):
+    for index, widths in enumerate(parts):
         suffix = (f" (part {index + 1} of {len(parts)}: the table is wider than the terminal)"
                   if len(parts) > 1 else "")
         table = Table(title=escape(title + suffix), title_justify="left")
-        for column in columns:
+        for column, width in widths.items():
             table.add_column(escape(column), justify="right" if numeric[column] else "left", overflow="fold",
-                             min_width=_needed_width(column, cells[column]))
-        for row in zip(*(cells[c] for c in columns), strict=True):
+                             width=width)
+        for row in zip(*(cells[c] for c in widths), strict=True):
             table.add_row(*map(escape, row))
         console.print(table)
 
@@ -360,6 +360,11 @@ def _needed_width(header: str, texts: list[str]) -> int:
     return max(words, numbers, text, 1)
 
 
+def _comfortable_width(header: str, texts: list[str]) -> int:
+    """A column's width with its header on one line and its cells unwrapped."""
+    return max(len(header), *(len(t) for t in texts), 1)
+
+
 def key_columns(cells: dict[str, list[str]], width: int) -> list[str]:
     """The leading columns that name a row (up to the first holding a fraction, such as a time), repeated
     in every part of a table too wide for the terminal; as many of them as fit in 40% of its width."""
@@ -375,20 +380,32 @@ def key_columns(cells: dict[str, list[str]], width: int) -> list[str]:
     return keys or list(cells)[:1]
 
 
-def column_parts(cells: dict[str, list[str]], width: int) -> list[list[str]]:
-    """The columns of each part a table is printed in at ``width``: all in one where they fit, else the
-    key columns and, in order, as many of the others as fit beside them (at least one each)."""
-    cost = {c: _needed_width(c, texts) + _CELL_FRAME for c, texts in cells.items()}
-    if sum(cost.values()) + 1 <= width:
-        return [list(cells)]
+def column_parts(cells: dict[str, list[str]], width: int) -> list[dict[str, int]]:
+    """Each part a table is printed in at ``width`` (terminal columns), as {column: its width}: one part
+    where the columns fit, else the key columns and, in order, as many of the others as fit beside them
+    (at least one each); the room left in a part widens its columns towards unwrapped headers and cells."""
+    comfortable = {c: _comfortable_width(c, texts) for c, texts in cells.items()}
+    if sum(comfortable.values()) + _CELL_FRAME * len(cells) + 1 <= width:
+        return [comfortable]
+    needed = {c: _needed_width(c, texts) for c, texts in cells.items()}
     keys = key_columns(cells, width)
-    parts: list[list[str]] = []
-    room = width - 1 - sum(cost[k] for k in keys)
+    room = width - 1 - sum(needed[k] + _CELL_FRAME for k in keys)  # what the other columns of a part get
+    cost = {c: needed[c] + _CELL_FRAME for c in cells}
+    groups: list[list[str]] = []
     for column in (c for c in cells if c not in keys):
-        if not parts or sum(cost[c] for c in parts[-1]) + cost[column] > room:
-            parts.append([])
-        parts[-1].append(column)
-    return [[*keys, *part] for part in parts]
+        if not groups or sum(cost[c] for c in groups[-1]) + cost[column] > room:
+            groups.append([])
+        groups[-1].append(column)
+    parts = []
+    for group in groups or [[]]:
+        widths = {c: needed[c] for c in [*keys, *group]}
+        spare = width - 1 - sum(w + _CELL_FRAME for w in widths.values())
+        for column in widths:
+            grow = max(0, min(comfortable[column] - widths[column], spare))
+            widths[column] += grow
+            spare -= grow
+        parts.append(widths)
+    return parts
 
 
 def is_oom(exc: BaseException) -> bool:
