@@ -248,7 +248,7 @@ def test_e2e_statements(gpu_report):
     assert f"Highest throughput: {best['size']} at context {best['context']}, {best['precision']}" in text
     assert "bf16 autocast against fp32: 2.00x faster" in text and "2.00x to 2.00x" not in text
     assert "Out of memory: size=2.7B, precision=fp32: from context = 512." in text
-    assert "The backward takes 2.00x the forward" in text
+    assert "Backward time against forward time: 2.00x." in text  # every pair alike: no range
     assert "small 4.00x" in text  # step time grows with context: 512 / 128
 
 
@@ -264,7 +264,7 @@ def test_attention_statements(gpu_report):
     assert "Forward: compiled is 2.00x the speed of eager (median" in text
     assert "eager runs out of memory: d=64: from T = 16384; d=128: from T = 16384." in text
     assert "eager fwd time grows as T^2.00" in text
-    assert "measured / predicted: median 1.000" in text
+    assert "measured / predicted: 1.000 for eager" in text  # every cell alike: no range
 
 
 def test_flash_statements(gpu_report):

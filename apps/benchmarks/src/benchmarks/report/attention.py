@@ -13,6 +13,7 @@ from benchmarks.report.core import (
     first_oom,
     is_oom,
     log_slope,
+    median_of,
     missing_columns,
     missing_note,
     numeric,
@@ -75,8 +76,8 @@ def attention_findings(ctx: Context, f: ResultFile) -> list[str]:
     if mem and "predicted MiB" in df and numeric(df[mem]).notna().any():
         ratio = (numeric(df[mem]) / numeric(df["predicted MiB"])).dropna()
         formula = f"; formula: {f.meta['formula']}" if "formula" in f.meta else ""
-        lines.append(f"- Memory before backward, measured / predicted: median {ratio.median():.3f} "
-                     f"({value_range(ratio.min(), ratio.max(), '{:.3f}')}) for eager{formula}.")
+        lines.append(f"- Memory before backward, measured / predicted: {median_of(ratio, '{:.3f}')} for "
+                     f"eager{formula}.")
     if not any(is_oom(df[c]).any() for c in df.columns if c.startswith("fwd ms ")):
         lines.append("- No configuration ran out of memory.")
     return lines + ["", attention_plot(ctx, f, df, variants) if ctx.measures_speed else None]

@@ -157,6 +157,13 @@ def value_range(low: float, high: float, fmt: str = "{:.2f}x") -> str:
     return low_text if low_text == high_text else f"{low_text} to {high_text}"
 
 
+def median_of(values: pd.Series, fmt: str = "{:.2f}x") -> str:
+    """'1.66x (median; 1.45x to 1.86x)', or '1.62x' where every value prints alike (one value, say)."""
+    spread = value_range(values.min(), values.max(), fmt)
+    median = fmt.format(values.median())
+    return median if spread == median else f"{median} (median; {spread})"
+
+
 def times_less(value: float, reference: float, name: str) -> str:
     """How value compares with ``name``'s reference: '25.5x less than none', '1.3x more than none', or
     'about as much as none' where the ratio prints as 1.00 (never '1.0x less than none')."""
