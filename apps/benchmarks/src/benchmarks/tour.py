@@ -20,10 +20,11 @@ import torch
 
 from benchmarks.common import ResultsNotSaved, console, make_parser, parse_args, str_list
 
-CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models on "
-            "shared CPU cores). They show that each experiment runs, not how fast anything is: a difference "
-            "within its spread prints as '~0 (noise)', and a sign or ratio from them is not a finding. "
-            "Performance figures come from GPU runs (docs/report.md).")
+CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models "
+            "on shared CPU cores). What a CPU run shows is that each experiment runs, its correctness, "
+            "memory and structure; speed needs a GPU. A timing that the noise rule flags (negative, within "
+            "its spread, or a fwd+bwd below its fwd) prints with '(noise)', and no sign or ratio is read "
+            "from it. Performance figures come from GPU runs (docs/report.md).")
 # The report comes last: it reads what the others wrote.
 EXPERIMENTS = ["precision", "e2e", "attention", "flash", "checkpointing", "allreduce", "ddp", "shardopt",
                "fsdp", "accounting", "report"]
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only
     shared = ["--results-dir", str(args.results_dir)] + (["--no-save"] if args.no_save else [])
     if not torch.cuda.is_available():
-        console.print(CPU_NOTE)
+        console.print(CPU_NOTE, soft_wrap=False)  # wrapped between words at the terminal's width
     outcomes = []
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
@@ -56,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
             console.print(traceback.format_exc(), style="red")
             outcomes.append((name, "FAILED", time.perf_counter() - start))
     console.rule("[bold]tour")
+    width = max(len(name) for name, _, _ in outcomes) if outcomes else 0
     for name, outcome, seconds in outcomes:
-        console.print(f"{name:<12} {outcome:<7} {seconds:7.1f} s")
+        console.print(f"{name:<{width}}  {outcome:<7} {seconds:7.1f} s")
     failed = [name for name, outcome, _ in outcomes if outcome != "ok"]
     console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran"
                   + (f"; failed: {', '.join(failed)}" if failed else ""))
     if not torch.cuda.is_available():
-        console.print(CPU_NOTE)
+        console.print(CPU_NOTE, soft_wrap=False)
     return 1 if failed else 0
 
 
