@@ -305,16 +305,17 @@ def test_unique_temporary_names(tmp_path):
 
 
 def test_the_noise_rule_flags_negative_times_and_differences_within_their_spread():
-    assert common.is_noise(-203.682, 4.0)  # results/cpu/ddp.md's exposed comm: far below 0, still noise
-    assert common.is_noise(-1.5, 4.0) and common.is_noise(3.9, 4.0) and common.is_noise(-0.01)
-    assert not common.is_noise(30.0, 4.0) and not common.is_noise(0.0) and not common.is_noise(1e-3)
-    assert not common.is_noise(float("nan"), 4.0) and not common.is_noise(5.0, float("nan"))
+    assert common.within_noise(-203.682, 4.0)  # results/cpu/ddp.md's exposed comm: far below 0, still noise
+    assert common.within_noise(-1.5, 4.0) and common.within_noise(3.9, 4.0) and common.within_noise(-0.01)
+    assert not common.within_noise(30.0, 4.0) and not common.within_noise(0.0)
+    assert not common.within_noise(1e-3)
+    assert not common.within_noise(float("nan"), 4.0) and not common.within_noise(5.0, float("nan"))
 
 
 def test_derived_cells_within_noise_are_marked_not_printed_as_facts():
     df = pd.DataFrame({"exposed ms": [-1.5, 30.0, 0.0, -203.682],
                        "exposed std": [4.0, 4.0, float("nan"), 4.0], "x single": [0.98, 1.3, 1.0, 0.739]})
-    noisy = [common.is_noise(d, s) for d, s in zip(df["exposed ms"], df["exposed std"], strict=True)]
+    noisy = [common.within_noise(d, s) for d, s in zip(df["exposed ms"], df["exposed std"], strict=True)]
     near = {"exposed ms": "~0", "x single": "~1"}
     shown = common.with_noise_marked(df, noisy, list(near), near)
     assert shown["exposed ms"].tolist() == ["~0 (noise)", 30.0, 0.0, "~0 (noise)"]

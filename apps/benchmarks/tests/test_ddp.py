@@ -44,22 +44,22 @@ def test_nproc_must_be_positive():
 
 
 def overhead_row(strategy, overhead, std, bucket=math.nan, torch_ratio=math.nan):
-    return {"strategy": strategy, "bucket MiB": bucket, "step ms": 100.0 + overhead, "overhead ms": overhead,
-            "exposed comm ms": overhead, "exposed std": std, "/ torch": torch_ratio}
+    return {"strategy": strategy, "bucket MiB": bucket, "step ms": 100.0 + overhead, "step std": std,
+            "overhead ms": overhead, "exposed comm ms": overhead, "exposed std": std, "/ torch": torch_ratio}
 
 
 def test_overheads_that_are_noise_print_as_noise_never_as_findings(capsys):
     """The issue's CPU lines, 'overhead -85.97 ms' and '0.739x single', are noise by the table's own rule."""
     import pandas as pd
 
-    from benchmarks.ddp import against_single, print_overheads
+    from benchmarks.ddp import against_single, noise_against_single, print_overheads
 
-    negative = overhead_row("flat", -85.97, 20.0)
-    assert against_single(negative, 100.0) == "~1x single, overhead ~0 (noise)"
-    assert against_single(overhead_row("flat", -203.682, 4.0), 100.0).endswith("(noise)")  # below 0: noise
-    assert against_single(overhead_row("naive", 30.0, 5.0), 100.0) == "1.300x single, overhead +30.00 ms"
-    print_overheads(pd.DataFrame([overhead_row("single", 0.0, 0.0), negative,
-                                  overhead_row("torch", 30.0, 5.0, 25.0, 1.0),
+    single, negative = overhead_row("single", 0.0, 0.0), overhead_row("flat", -85.97, 20.0)
+    far_below, above = overhead_row("flat", -203.682, 4.0), overhead_row("naive", 30.0, 5.0)
+    assert noise_against_single([single, negative, far_below, above]) == [False, True, True, False]
+    assert against_single(negative, True, 100.0) == "~1x single, overhead ~0 (noise)"
+    assert against_single(above, False, 100.0) == "1.300x single, overhead +30.00 ms"
+    print_overheads(pd.DataFrame([single, negative, overhead_row("torch", 30.0, 5.0, 25.0, 1.0),
                                   overhead_row("bucketed", 45.0, 5.0, 25.0, 1.5)]))
     out = " ".join(capsys.readouterr().out.split())
     assert "flat overhead ~0 (noise), spread ±20.00 ms" in out

@@ -271,17 +271,17 @@ def to_markdown(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
                                        for c in df.columns] or None)
 
 
-def is_noise(excess: float, spread: float = 0.0) -> bool:
+def within_noise(difference: float, spread: float = 0.0) -> bool:
     """The noise rule: the one test every table and the report apply before a timing is read as a finding.
 
-    ``excess`` is a measured time, or the part of one that a difference of times measures, that cannot
-    be negative: a time itself, the communication a data-parallel step exposes (its step minus one
-    device's), the backward inside a fwd+bwd (fwd+bwd minus fwd). It is noise when it is not above its
-    spread (one std of it; 0 where none was measured): negative, or within one spread of zero. Then
-    neither its value, its sign nor a ratio built on it is a finding. A signed comparison of two
-    alternatives (ours against torch's) passes the size of their difference, ``abs(a - b)``.
+    ``difference`` is a measured time, or the part of one that a difference of times measures, that
+    cannot be negative: a time itself, what a data-parallel step adds to one device's (its step minus
+    the single step), the backward inside a fwd+bwd (fwd+bwd minus fwd). It is noise when it is not
+    above its spread (one std of it; 0 where none was measured): negative, or within one spread of
+    zero. Then neither its value, its sign nor a ratio built on it is a finding. A signed comparison of
+    two alternatives (ours against torch's) passes the size of their difference, ``abs(a - b)``.
     """
-    return not (math.isnan(excess) or math.isnan(spread)) and excess < spread
+    return not (math.isnan(difference) or math.isnan(spread)) and difference < spread
 
 
 def is_measured(value: Any) -> bool:
@@ -290,7 +290,8 @@ def is_measured(value: Any) -> bool:
 
 
 def noise_text(value: Any, near: str | None = None, float_format: str = "{:.3g}") -> str:
-    """How a cell that :func:`is_noise` flags prints: '~0 (noise)' with ``near='~0'``, else '12.3 (noise)'."""
+    """How a cell that :func:`within_noise` flags prints: '~0 (noise)' with ``near='~0'``, else
+    '12.3 (noise)'."""
     return f"{near if near is not None else cell_text(value, float_format)} {NOISE}"
 
 

@@ -35,6 +35,7 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import torch
@@ -48,7 +49,6 @@ from benchmarks.common import (
     console,
     float_list,
     free_device_memory,
-    is_noise,
     make_parser,
     nonnegative_int,
     parse_args,
@@ -58,6 +58,7 @@ from benchmarks.common import (
     save_results,
     str_list,
     with_noise_marked,
+    within_noise,
 )
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from minddp import make_ddp
@@ -206,24 +207,32 @@ def benchmark(setup: Setup, backend: str) -> list[dict[str, object]]:
         })
         if rank == 0:
             console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ("
-                          + against_single(rows[-1], single_mean) + ")")
+                          + against_single(rows[-1], noise_against_single(rows)[-1], single_mean) + ")")
     return with_torch_ratio(rows)
 
 
-def overhead_is_noise(row: dict[str, object]) -> bool:
-    """The noise rule (:func:`is_noise`) on what a row adds to the bare model's step: its exposed
-    communication (from the means) or its overhead (from the medians), against the spread of that
-    difference. Either within noise, and the row's differences and ratios are not findings."""
-    spread = float(row["exposed std"])
-    return row["strategy"] != SINGLE and (is_noise(float(row["exposed comm ms"]), spread)
-                                          or is_noise(float(row["overhead ms"]), spread))
+def noise_against_single(rows: list[dict[str, Any]]) -> list[bool]:
+    """Per row, whether what it adds to one device's step ("single") is noise by the rule every table
+    applies (:func:`within_noise`): the difference of the mean step times, and the overhead from the
+    medians where a row has one, against the spread of that difference (sqrt(std^2 + std_single^2)).
+    Such a row's differences and ratios are not findings; the single row is the reference, never noise."""
+    single = next((r for r in rows if r["strategy"] == SINGLE), None)
+    flags = []
+    for row in rows:
+        if single is None or row["strategy"] == SINGLE:
+            flags.append(False)
+            continue
+        spread = math.hypot(float(row["step std"]), float(single["step std"]))
+        added = [float(row["step ms"]) - float(single["step ms"]), float(row.get("overhead ms", math.nan))]
+        flags.append(any(within_noise(difference, spread) for difference in added))  # NaN: not measured
+    return flags
 
 
-def against_single(row: dict[str, object], single_mean: float) -> str:
-    """'1.472x single, overhead +7.36 ms', or '~1x single, overhead ~0 (noise)' where the rule says so."""
+def against_single(row: dict[str, Any], noise: bool, single_mean: float) -> str:
+    """'1.472x single, overhead +7.36 ms', or '~1x single, overhead ~0 (noise)' where ``noise``."""
     if row["strategy"] == SINGLE:
         return "the reference"
-    if overhead_is_noise(row):
+    if noise:
         return f"~1x single, overhead ~0 {NOISE}"
     return f"{float(row['step ms']) / single_mean:.3f}x single, overhead {float(row['overhead ms']):+.2f} ms"
 
@@ -241,10 +250,13 @@ def with_torch_ratio(rows: list[dict[str, object]]) -> list[dict[str, object]]:
 def print_overheads(df: pd.DataFrame) -> None:
     """Each wrapper's overhead over the bare model, beside torch DDP's from the same run."""
     rows = df.to_dict("records")
-    torch_noise = any(overhead_is_noise(r) for r in rows if r["strategy"] == "torch")
-    for row in (r for r in rows if r["strategy"] != SINGLE):
+    noisy = noise_against_single(rows)
+    torch_noise = any(flag for row, flag in zip(rows, noisy, strict=True) if row["strategy"] == "torch")
+    for row, noise in zip(rows, noisy, strict=True):
+        if row["strategy"] == SINGLE:
+            continue
         size = "" if math.isnan(row["bucket MiB"]) else f" {row['bucket MiB']:g} MiB"
-        if overhead_is_noise(row):
+        if noise:
             spread = f"±{row['exposed std']:.2f} ms"
             console.print(f"  {row['strategy'] + size:<22} overhead ~0 {NOISE}, spread {spread}")
             continue
@@ -310,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     df = pd.DataFrame(rows)
     near = {"exposed comm ms": "~0", "overhead ms": "~0", "x single": "~1"}
-    noisy = [overhead_is_noise(row) for row in rows]
+    noisy = noise_against_single(rows)
     torch_noise = any(flag for row, flag in zip(rows, noisy, strict=True) if row["strategy"] == "torch")
     shown = with_noise_marked(df, noisy, near, near)
     shown["/ torch"] = with_noise_marked(df, [flag or torch_noise for flag in noisy], ["/ torch"])["/ torch"]

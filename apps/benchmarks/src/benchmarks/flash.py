@@ -51,7 +51,6 @@ from benchmarks.common import (
     device,
     free_device_memory,
     int_list,
-    is_noise,
     is_oom,
     make_parser,
     median_time,
@@ -64,6 +63,7 @@ from benchmarks.common import (
     save_results,
     str_list,
     with_noise_marked,
+    within_noise,
 )
 from benchmarks.flash_features import FEATURES, run_features, window_speedup
 
@@ -355,12 +355,12 @@ def add_ratios(df: pd.DataFrame, passes: list[str], causal: bool) -> pd.DataFram
 
 
 def passes_contradict(times: dict[str, float]) -> bool:
-    """Whether a row's pass times contradict each other by the noise rule (:func:`is_noise`): a time below 0,
-    or fwd+bwd below fwd or below bwd (the other pass inside it would take negative time)."""
+    """Whether a row's pass times contradict each other by the noise rule (:func:`within_noise`): a time
+    below 0, or fwd+bwd below fwd or below bwd (the other pass inside it would take negative time)."""
     values = {p: t for p, t in times.items() if not math.isnan(t)}
     parts = [values[p] for p in ("fwd", "bwd") if p in values]
     inside = [values["fwd+bwd"] - part for part in parts] if "fwd+bwd" in values else []
-    return any(is_noise(t) for t in [*values.values(), *inside])
+    return any(within_noise(t) for t in [*values.values(), *inside])
 
 
 def noisy_rows(df: pd.DataFrame) -> pd.Series:

@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from benchmarks.common import NOISE, is_noise, with_noise_marked
+from benchmarks.common import NOISE, with_noise_marked, within_noise
 from benchmarks.report.allreduce import fit_allreduce
 from benchmarks.report.core import (
     Context,
@@ -38,16 +38,14 @@ def ddp_labels(df: pd.DataFrame) -> pd.Series:
 
 def noise_flags(df: pd.DataFrame) -> pd.Series:
     """Rows whose difference from one device is noise by the rule every table applies
-    (:func:`benchmarks.ddp.overhead_is_noise`); none where the results lack the columns it reads."""
-    from benchmarks.ddp import overhead_is_noise
+    (:func:`benchmarks.ddp.noise_against_single`); none where the results lack the columns it reads."""
+    from benchmarks.ddp import noise_against_single
 
-    if not {"strategy", "exposed comm ms", "exposed std"} <= set(df.columns):
+    if not {"strategy", "step ms", "step std"} <= set(df.columns):
         return pd.Series(False, index=df.index)
-    rows = df.assign(**{c: numeric(df[c]) for c in ("exposed comm ms", "exposed std")})
-    if "overhead ms" not in rows:
-        rows = rows.assign(**{"overhead ms": rows["exposed comm ms"]})
-    rows = rows.assign(**{"overhead ms": numeric(rows["overhead ms"])})
-    return pd.Series([overhead_is_noise(r) for r in rows.to_dict("records")], index=df.index, dtype=bool)
+    numbers = [c for c in ("step ms", "step std", "overhead ms") if c in df.columns]
+    rows = df.assign(**{c: numeric(df[c]) for c in numbers}).to_dict("records")
+    return pd.Series(noise_against_single(rows), index=df.index, dtype=bool)
 
 
 def noise_marked(df: pd.DataFrame) -> pd.DataFrame:
@@ -119,7 +117,7 @@ def against_torch(ours: pd.Series, torch_ddp: pd.Series) -> str:
     change = ours["step"] - torch_ddp["step"]
     spread = (math.hypot(float(ours["step std"]), float(torch_ddp["step std"]))
               if "step std" in ours and "step std" in torch_ddp else 0.0)
-    if is_noise(abs(change), spread):
+    if within_noise(abs(change), spread):
         return "within noise of torch DDP"
     return f"{change / torch_ddp['step'] * 100:+.1f}% against torch DDP"
 
