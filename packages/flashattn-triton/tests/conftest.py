@@ -286,7 +286,6 @@ def _check_infinities(device: str, where: str, is_causal: bool) -> None:
     SDPA's; every other row is right (the split once made inf - inf = NaN, which reached the whole head)."""
     generator = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, 2, 130, 32, generator=generator, device=device) for _ in range(3))
-    q.view(torch.int32).bitwise_or_(1)  # no q exact in TF32: its low part times inf is ±inf, never 0 * inf
     # Head 0 stays finite. In V, at key 0, which every row sees: a causal row that does not see an infinite
     # value of V can still meet it as 0 * inf in its diagonal tile's P V, as in FlashAttention's kernels.
     if where == "k":
@@ -379,3 +378,33 @@ def triton_interpreter() -> None:
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
         pytest.skip(f"Triton {triton.__version__}'s interpreter fails on the kernels' tensor descriptors; "
                     "the interpreter tests need Triton >= 3.9 (CI has it)")
+
+
+def _sdpa_math(*args, **kwargs) -> torch.Tensor:
+    """SDPA's math backend: its CPU flash backend gives 0 for a row of NaN scores, its math backend NaN."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+def _outputs_and_gradients(attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           grad_out: torch.Tensor | None = None, **kwargs) -> list[torch.Tensor]:  # fmt: skip
+    """[O, dQ, dK, dV] of attention(q, k, v, **kwargs), for dO = grad_out (default: a fixed ramp)."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, **kwargs)
+    if grad_out is None:
+        grad_out = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
+def _assert_like_sdpa(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each of O, dQ, dK, dV: NaN and ±inf where SDPA's are, and close to it elsewhere."""
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(g, w, equal_nan=True, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+
+
+@pytest.fixture
+def like_sdpa() -> types.SimpleNamespace:
+    """For non-finite inputs: results(attention, q, k, v, grad_out=None, **kwargs) -> [O, dQ, dK, dV];
+    sdpa, SDPA's math backend (an attention); check(got, want), NaN and ±inf where want's are."""
+    return types.SimpleNamespace(results=_outputs_and_gradients, sdpa=_sdpa_math, check=_assert_like_sdpa)

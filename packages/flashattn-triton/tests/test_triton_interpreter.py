@@ -1,6 +1,6 @@
 """Runs the interpreted_*.py modules, each in a subprocess with TRITON_INTERPRET=1: the tuned kernels
-(interpreted_kernels.py), the feature kernels (interpreted_features.py) and packed sequences on the tuned
-kernels (interpreted_varlen.py), on CPU.
+(interpreted_kernels.py), the feature kernels (interpreted_features.py), packed sequences on the tuned
+kernels (interpreted_varlen.py) and issue 43's edge cases (interpreted_edge_cases.py), on CPU.
 
 Triton decides between compiling and interpreting when a kernel is defined, so the interpreter needs
 its own process; this keeps the variable out of every other test of the same pytest run. The
@@ -25,7 +25,8 @@ import torch
 from flashattn_triton import FlashAttentionTriton
 from flashattn_triton._launcher import interpreted
 
-INTERPRETED = ["interpreted_kernels.py", "interpreted_features.py", "interpreted_varlen.py"]
+INTERPRETED = ["interpreted_kernels.py", "interpreted_features.py", "interpreted_varlen.py",
+               "interpreted_edge_cases.py"]
 # A hang guard, not a time limit: a single interpreted test prints its line within a minute or two even on
 # a loaded 2-core machine, so this much silence means the subprocess is stuck.
 SILENT_HANG_S = 1200

@@ -997,9 +997,14 @@ def tf32_parts(
     mask = (rows < seqlen) & (cols < head_dim)
     x = tl.load(X + z * stride_xz + h * stride_xh + rows * stride_xt + cols, mask=mask)
     high, low = _split(x, "tf32x3")
-    # An infinite x is its own high part, and x - high would be inf - inf = NaN, which would reach every
-    # row of the products; a low part of 0 keeps the product what a float32 one gives (as SDPA's does).
-    low = tl.where(x == high, 0.0, low)
+    # An infinite x goes whole into the low part, with a high part of 0: x - high would be inf - inf =
+    # NaN, which would reach every row of the products, and an inf kept in the high part would meet the
+    # other operand's low part, exactly 0 wherever that operand is exactly TF32 (P = 1 at a row's
+    # maximum), as 0 * inf = NaN. In the low part it meets only the other operand's high part, so that
+    # the three products give what one float32 product gives (inf, or NaN against an exact 0, as SDPA's).
+    infinite = tl.abs(x) == float("inf")
+    low = tl.where(infinite, x, low)
+    high = tl.where(infinite, 0.0, high)
     parts = Parts + z * stride_pz + h * stride_ph + rows * stride_pt + cols * stride_pd
     tl.store(parts, high, mask=mask)
     tl.store(parts + stride_pp, low, mask=mask)

@@ -319,16 +319,26 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
         raise ValueError(f"{name} is on {cu.device} but q is on {device}; they must be on one device")
     if torch.compiler.is_compiling() or cu.device.type == "meta" or (
             cu.is_cuda and torch.cuda.is_current_stream_capturing()):  # fmt: skip
-        return  # the values are data: checked eagerly only (reading them syncs, which a capture forbids)
+        return  # the values are data: the ops check them where they run (check_packed_rows)
     # Reading a CUDA tensor's values waits for the GPU: every call of a model's layers would stall the
-    # stream (the packed benchmark's forward took 0.42-0.61 ms a call against its kernel's 0.26). So a
-    # tensor's values are read once for each pair of sizes it is checked against, and again once it has
-    # changed (its version counter).
+    # stream (the packed benchmark's forward took 0.42-0.61 ms a call against its kernel's 0.26). So here,
+    # where a wrong value gets its clearest error, a CUDA tensor's values are read once for each pair of
+    # sizes it is checked against, and again once it has changed (its version counter); the ops check
+    # them on every call all the same, on the GPU (check_packed_rows), a change that bumps no version
+    # (``cu.data[1] = 20``, a reused buffer) included. A CPU tensor's are read on every call.
     key = (id(cu), total, max_seqlen)
     entry = _CHECKED_CU_SEQLENS.get(key)
-    if entry is not None and entry[0]() is cu and entry[1] == cu._version:
+    if cu.is_cuda and entry is not None and entry[0]() is cu and entry[1] == cu._version:
         return
-    values = cu_seqlens_values(cu)
+    _check_cu_seqlens_values(name, cu_seqlens_values(cu), total, total_name, max_name, max_seqlen)
+    if cu.is_cuda:
+        if len(_CHECKED_CU_SEQLENS) >= _MAX_CHECKED:
+            _CHECKED_CU_SEQLENS.clear()
+        _CHECKED_CU_SEQLENS[key] = (weakref.ref(cu), cu._version)
+
+
+def _check_cu_seqlens_values(name: str, values: list[int], total: int, total_name: str, max_name: str,
+                             max_seqlen: int) -> None:  # fmt: skip
     lengths = [b - a for a, b in zip(values, values[1:], strict=False)]
     if values[0] != 0 or min(lengths) < 0:
         raise ValueError(f"{name} must start at 0 and be non-decreasing (cumulative lengths), got {values}")
@@ -336,13 +346,11 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
         raise ValueError(f"{name} ends at {values[-1]} but {total_name} has {total} rows; they must agree")
     if max(lengths) > max_seqlen:
         raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence in {name}, {max(lengths)}")
-    if len(_CHECKED_CU_SEQLENS) >= _MAX_CHECKED:
-        _CHECKED_CU_SEQLENS.clear()
-    _CHECKED_CU_SEQLENS[key] = (weakref.ref(cu), cu._version)
 
 
-# cu_seqlens tensors whose values passed _check_cu_seqlens, by (id(), total, max_seqlen): a weak reference
-# to the tensor and its version counter then. A few batches' worth: a model's layers share one batch's.
+# CUDA cu_seqlens tensors whose values passed _check_cu_seqlens, by (id(), total, max_seqlen): a weak
+# reference to the tensor and its version counter then. A few batches' worth: a model's layers share one
+# batch's.
 _CHECKED_CU_SEQLENS: dict[tuple[int, int, int], tuple[weakref.ref, int]] = {}
 _MAX_CHECKED = 64
 
@@ -350,6 +358,35 @@ _MAX_CHECKED = 64
 def cu_seqlens_values(cu: torch.Tensor) -> list[int]:
     """cu's values on the host (for a CUDA tensor, after the GPU has reached it)."""
     return cu.tolist()
+
+
+def check_packed_rows(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> None:  # fmt: skip
+    """The ops' check of packed sequences' bounds, on every call (compiled, captured, or with values that
+    changed since varlen_op_arguments saw them), before any kernel indexes rows by them: each cu_seqlens
+    starts at 0, is non-decreasing, ends at its tensor's rows, and holds no sequence longer than its
+    max_seqlen. On the host for CPU tensors (a ValueError); elsewhere on the device, with no wait for it
+    (torch._assert_async: a device-side assertion that stops the kernels after it)."""
+    for name, cu, x, total_name, max_name, max_seqlen in (
+        ("cu_seqlens_q", cu_seqlens_q, q, "q", "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k, "k", "max_seqlen_k", max_seqlen_k),
+    ):
+        if cu.device.type == "cpu":
+            _check_cu_seqlens_values(name, cu.tolist(), x.shape[0], total_name, max_name, max_seqlen)
+        elif cu.device.type != "meta":
+            message = (
+                f"{name} must start at 0, be non-decreasing, end at {total_name}'s rows "
+                f"({x.shape[0]}) and hold no sequence longer than {max_name}={max_seqlen}"
+            )
+            torch._assert_async(packed_rows_valid(cu, x.shape[0], max_seqlen), message)
+
+
+def packed_rows_valid(cu: torch.Tensor, total: int, max_seqlen: int) -> torch.Tensor:
+    """Whether cu starts at 0, is non-decreasing, ends at total and holds no length above max_seqlen: a
+    bool tensor on cu's device, computed there without reading cu on the host."""
+    lengths = cu.diff()
+    valid = (cu[0] == 0) & (cu[-1] == total) & (lengths.amin() >= 0)
+    return valid & (lengths.amax() <= max_seqlen)
 
 
 def varlen_op_arguments(

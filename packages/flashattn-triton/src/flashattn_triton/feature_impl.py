@@ -97,9 +97,10 @@ def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    """x with unit stride along its last dim (the kernels' pointers step rows by stride, columns by 1)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x with unit stride along its last dim (the kernels' pointers step rows by stride, columns by 1, and
+    index a cu_seqlens by sequence); None for None."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
 def _strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -215,7 +216,7 @@ def feature_forward(
     max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_impl.attention_forward's (O, L), from _feature_kernels.attn_fwd."""
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    q, k, v, cu_seqlens_q, cu_seqlens_k = (_unit_last(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
     p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
                  cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
     out = output_like(q)  # (the kernels store by strides: in q's layout as the ops promise)
@@ -278,7 +279,8 @@ def feature_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch_impl.attention_backward's (dQ, dK, dV), from _feature_kernels.attn_bwd_dkdv then attn_bwd_dq:
     no atomics, so bitwise repeatable."""
-    q, k, v, grad_out = (_unit_last(t) for t in (q, k, v, grad_out))
+    q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k = (_unit_last(t) for t in (q, k, v, grad_out, cu_seqlens_q,
+                                                                             cu_seqlens_k))  # fmt: skip
     p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
                  cu_seqlens_q, max_seqlen_q, max_seqlen_k)  # fmt: skip
     grads = [output_like(t).zero_() for t in (q, k, v)]  # (in their inputs' layouts, as out)

@@ -31,7 +31,10 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
 - Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
   window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
   the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
-  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf.
+  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf; a
+  NaN or +inf among the scores a row sees makes its out and lse NaN, as SDPA's math backend does (a score
+  that a bool mask, the causal mask or a window removes is not read, where SDPA's math backend adds -inf
+  to it, which keeps a NaN).
 - ``out`` is shaped and typed like q and laid out as SDPA lays it out (``_inputs.output_like``): dense, in
   q's order of dims in memory (d innermost), so q's strides where q is dense, and (B, T, H, d) memory for
   the ``view(B, T, H, d).transpose(1, 2)`` of a projection (fused or not), whose transpose back to (B, T,
@@ -54,7 +57,11 @@ Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implemen
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
 ``fill_defaults``, the redispatch) and a second op for the backward cost about 0.9 ms of host time a
 forward and backward, four times a small problem's kernels (decisions.md#eager-autograd). Compiled,
-exported, fake, meta and transformed calls, and calls under a dispatch mode, go through the ops.
+exported, fake and meta calls, and calls under a dispatch mode, go through the ops; calls under a
+``torch.func`` transform or forward-mode AD through ``_TransformedAttention``, an autograd.Function around
+them that the transforms take. Where a graph of the gradients is built (``create_graph=True``, and every
+``torch.func`` transform) the gradients come from ``_GradientsOnce``, which refuses to be differentiated
+again; forward-mode AD raises NotImplementedError, as SDPA's flash backend does.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, _launcher, _packed, feature_impl, torch_impl, triton_impl
+from flashattn_triton import _inputs, _launcher, _packed, _validation, feature_impl, torch_impl, triton_impl
 
 UNBOUNDED = -1
 
@@ -153,6 +160,8 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
+    if cu_seqlens_q is not None:
+        _validation.check_packed_rows(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     path = _path(q, k, options)
     if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
@@ -176,6 +185,8 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
+    if cu_seqlens_q is not None:
+        _validation.check_packed_rows(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     path = _path(q, k, options)
     if path == "torch":
         grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
@@ -230,8 +241,45 @@ def _gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None, backw
     return (*grads, *[None] * len(options))
 
 
+def _no_forward_derivative(ctx: Any, *tangents: Any) -> None:
+    raise NotImplementedError(
+        "flash_attention has no forward-mode derivative (torch.func.jvp, torch.autograd.forward_ad), as "
+        "scaled_dot_product_attention's flash backend has none; for forward-mode AD use "
+        "scaled_dot_product_attention under torch.nn.attention.sdpa_kernel(SDPBackend.MATH)"
+    )
+
+
+class _GradientsOnce(torch.autograd.Function):
+    """attn_bwd where a graph of the gradients is built (create_graph=True, and torch.func's transforms,
+    which always build one): the gradients join the graph, and differentiating them again raises, for the
+    kernels have no derivative. attn_bwd alone has no autograd and would count as a constant (second
+    derivatives off by their whole size, with no error); once_differentiable refuses them in plain autograd
+    only (torch.func.grad of grad gave 0)."""
+
+    generate_vmap_rule = True
+    jvp = staticmethod(_no_forward_derivative)
+
+    @staticmethod
+    def forward(*inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return attn_bwd(*inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        pass  # (its backward only refuses)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple:
+        raise RuntimeError(
+            "flash_attention's gradients have no derivative: its backward kernels cannot be differentiated "
+            "again (a second backward after create_graph=True, torch.func.grad of grad); for higher "
+            "derivatives use scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH)"
+        )
+
+
 def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-    return _gradients(ctx, grad_out, grad_lse, attn_bwd)
+    """attn_fwd's backward through the ops: attn_bwd, or _GradientsOnce where a graph of the gradients is
+    built."""
+    return _gradients(ctx, grad_out, grad_lse, _GradientsOnce.apply if torch.is_grad_enabled() else attn_bwd)
 
 
 attn_fwd = _operator("attn_fwd", attention_forward, _attn_fwd_fake)
@@ -251,21 +299,41 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-        # once_differentiable only under create_graph=True, where the gradients must refuse a second
-        # differentiation; elsewhere its wrapper is host time (decisions.md#once-differentiable).
-        gradients = _eager_gradients_once if torch.is_grad_enabled() else _eager_gradients
-        return gradients(ctx, grad_out, grad_lse)
+        # Through the op only where a graph of the gradients is built; elsewhere the dispatcher (and
+        # _GradientsOnce's wrapper) is host time (decisions.md#once-differentiable).
+        backward = _GradientsOnce.apply if torch.is_grad_enabled() else attention_backward
+        return _gradients(ctx, grad_out, grad_lse, backward)
 
 
-def _eager_gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-    return _gradients(ctx, grad_out, grad_lse, attention_backward)
+class _TransformedAttention(torch.autograd.Function):
+    """attn_fwd and its autograd for torch.func's transforms (grad, vjp, jacrev, vmap) and forward-mode
+    AD, which the op's own autograd (register_autograd's) does not serve: the transforms refuse it (it
+    "must override the setup_context staticmethod") and forward-mode AD passed it by (zero tangents).
+    vmap runs the op per sample (its batching fallback); forward-mode AD raises."""
+
+    generate_vmap_rule = True
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+    jvp = staticmethod(_no_forward_derivative)
+
+    @staticmethod
+    def forward(*inputs: Any) -> tuple[Tensor, Tensor]:
+        return attn_fwd(*inputs)
 
 
-_eager_gradients_once = torch.autograd.function.once_differentiable(_eager_gradients)
+def _transformed() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active (not while compiling, where the
+    op is traced)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
 
 
 def eager_attention(*inputs: Any) -> tuple[Tensor, Tensor]:
-    """attn_fwd(*inputs) with its autograd: through the op, or where _plain_eager, without the dispatcher."""
+    """attn_fwd(*inputs) with its autograd: through the op, where _plain_eager without the dispatcher,
+    under a torch.func transform or forward-mode AD through _TransformedAttention."""
+    if _transformed():
+        return _TransformedAttention.apply(*inputs)
     if _launcher.plain_eager(inputs[0]):
         return _EagerAttention.apply(*inputs)
     return attn_fwd(*inputs)

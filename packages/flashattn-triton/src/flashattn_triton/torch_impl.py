@@ -9,7 +9,9 @@ i + offset - left <= j <= i + offset + right, -1 unbounded); dropout from a coun
 
 Forward: one pass over the key tiles of TILE_K keys; for each, the query rows that the band lets see it
 update their running max, running sum and output accumulator, all in float32. No more than Tq x TILE_K
-scores a head exist at a time, never Tq x Tk. A row that sees no key gets O = 0 and L = -inf.
+scores a head exist at a time, never Tq x Tk. A row that sees no key (its scores all masked or -inf) gets
+O = 0 and L = -inf; a NaN or +inf among a row's scores makes its O and L NaN, as in SDPA (scores that a bool
+mask, the causal mask or a window removes are never read).
 
 Backward: one pass over the key tiles; P is recomputed from L, D = rowsum(dO * O) (dropout included:
 rowsum(dO * O) is still rowsum(P * dP)), dQ is accumulated in float32, and each key tile's dK, dV are
@@ -202,7 +204,10 @@ def _forward(problem: _Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         pv = (p.to(v.dtype) @ v[..., c, :]).to(torch.float32)
         acc[..., r, :] = acc[..., r, :] * alpha.unsqueeze(-1) + pv
         row_max[..., r] = m_new
-    seen = row_sum > 0
+    # A row that saw no key (every score masked or -inf) keeps m = -inf and gets 0, as SDPA's softmax
+    # gives it; any other row is divided out, so that a NaN or +inf among its scores makes it NaN as it
+    # does SDPA's (a test on row_sum > 0 would read a NaN sum as "no key" and give 0).
+    seen = row_max != float("-inf")
     out = torch.where(seen.unsqueeze(-1), acc / row_sum.unsqueeze(-1), 0.0).to(q.dtype)
     lse = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
     return out.view(q.shape), lse.view(q.shape[:-1])
