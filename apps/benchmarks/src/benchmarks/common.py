@@ -1,9 +1,9 @@
 """What every experiment shares: device facts, checked arguments, result files, tables, OOM cells.
 
-Results go to ``<results-dir>/<device>/<experiment>.csv`` (``out/`` unless ``--results-dir`` names
-another folder: a checkout stays clean) (metadata as leading ``# key: value``
-lines; read back with :func:`read_results`) with a Markdown copy beside it. Each file is written
-whole to a temporary file in its folder and then renamed over the old one, so a full disk, a
+Results go to ``<results-dir>/<device>/<experiment>.csv`` (``<results-dir>`` is the untracked ``out/``
+unless ``--results-dir`` names another folder, so a checkout stays clean; metadata as leading
+``# key: value`` lines; read back with :func:`read_results`) with a Markdown copy beside it. Each file
+is written whole to a temporary file in its folder and then renamed over the old one, so a full disk, a
 crash or a second run writing the same file never leaves a torn file: the old one stays, or the
 last complete one wins.
 
@@ -43,7 +43,7 @@ T = TypeVar("T")
 OOM = "OOM"
 UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
 DEFAULT_RESULTS_DIR = Path("out")  # untracked: running an experiment leaves a checkout clean
-NOISE = "(noise)"  # a derived cell whose inputs differ by less than their spread: "~0 (noise)"
+NOISE = "(noise)"  # after a cell that the noise rule (within_noise) flags: "~0 (noise)", "31.9 (noise)"
 
 
 def device() -> torch.device:
