@@ -401,7 +401,7 @@ def column_parts(cells: dict[str, list[str]], width: int) -> list[dict[str, int]
     for group in groups or [[]]:
         widths = {c: needed[c] for c in [*keys, *group]}
         spare = width - 1 - sum(w + _CELL_FRAME for w in widths.values())
-        for column in widths:
+        for column in sorted(widths, key=lambda c: comfortable[c] - widths[c]):  # most headers whole
             grow = max(0, min(comfortable[column] - widths[column], spare))
             widths[column] += grow
             spare -= grow
