@@ -327,7 +327,8 @@ def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> N
         return
     cells = {str(c): [cell_text(v, float_format) for v in df[c]] for c in df.columns}
     numeric = {str(c): pd.api.types.is_numeric_dtype(df[c]) for c in df.columns}
-    parts = column_parts(cells, console.width)
+    fractional = {str(c): any(map(_is_fraction, df[c])) for c in df.columns}  # times, say: no row names
+    parts = column_parts(cells, console.width, fractional)
     for index, widths in enumerate(parts):
         suffix = (f" (part {index + 1} of {len(parts)}: the table is wider than the terminal)"
                   if len(parts) > 1 else "")
@@ -352,6 +353,16 @@ def _is_number_text(text: str) -> bool:
     return True
 
 
+def _is_fraction(value: Any) -> bool:
+    """Whether a cell holds a number with a fractional part (a measurement, not a count or a size)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return is_measured(value) and not float(value).is_integer()
+
+
 def _needed_width(header: str, texts: list[str]) -> int:
     """The narrowest a column may be with nothing cut: every number whole, the header's longest word whole,
     text cells wrapped at _TEXT_WRAP_WIDTH at most."""
@@ -366,12 +377,12 @@ def _comfortable_width(header: str, texts: list[str]) -> int:
     return max(len(header), *(len(t) for t in texts), 1)
 
 
-def key_columns(cells: dict[str, list[str]], width: int) -> list[str]:
+def key_columns(cells: dict[str, list[str]], width: int, fractional: dict[str, bool]) -> list[str]:
     """The leading columns that name a row (up to the first holding a fraction, such as a time), repeated
     in every part of a table too wide for the terminal; as many of them as fit in 40% of its width."""
     keys: list[str] = []
-    for column, texts in cells.items():
-        if any(_is_number_text(t) and t != UNDEFINED and not float(t).is_integer() for t in texts):
+    for column in cells:
+        if fractional[column]:
             break
         keys.append(column)
     keys = keys[:-1] if len(keys) == len(cells) else keys
@@ -381,7 +392,8 @@ def key_columns(cells: dict[str, list[str]], width: int) -> list[str]:
     return keys or list(cells)[:1]
 
 
-def column_parts(cells: dict[str, list[str]], width: int) -> list[dict[str, int]]:
+def column_parts(cells: dict[str, list[str]], width: int,
+                 fractional: dict[str, bool]) -> list[dict[str, int]]:
     """Each part a table is printed in at ``width`` (terminal columns), as {column: its width}: one part
     where the columns fit, else the key columns and, in order, as many of the others as fit beside them
     (at least one each); the room left in a part widens its columns towards unwrapped headers and cells."""
@@ -389,7 +401,7 @@ def column_parts(cells: dict[str, list[str]], width: int) -> list[dict[str, int]
     if sum(comfortable.values()) + _CELL_FRAME * len(cells) + 1 <= width:
         return [comfortable]
     needed = {c: _needed_width(c, texts) for c, texts in cells.items()}
-    keys = key_columns(cells, width)
+    keys = key_columns(cells, width, fractional)
     room = width - 1 - sum(needed[k] + _CELL_FRAME for k in keys)  # what the other columns of a part get
     cost = {c: needed[c] + _CELL_FRAME for c in cells}
     groups: list[list[str]] = []
@@ -398,8 +410,9 @@ def column_parts(cells: dict[str, list[str]], width: int) -> list[dict[str, int]
             groups.append([])
         groups[-1].append(column)
     parts = []
+    order = list(cells)
     for group in groups or [[]]:
-        widths = {c: needed[c] for c in [*keys, *group]}
+        widths = {c: needed[c] for c in sorted([*keys, *group], key=order.index)}  # the table's own order
         spare = width - 1 - sum(w + _CELL_FRAME for w in widths.values())
         for column in sorted(widths, key=lambda c: comfortable[c] - widths[c]):  # most headers whole
             grow = max(0, min(comfortable[column] - widths[column], spare))
