@@ -346,5 +346,6 @@ def test_terminal_tables_at_80_columns_cut_no_cell(monkeypatch):
     shown = {cell.strip() for line in lines for cell in line}
     assert cells <= shown, cells - shown  # every number whole, in one cell
     assert text.count("part 1 of") == 1 and shown >= {"single", "bucketed", "torch"}
+    assert "a table wider than the terminal (part 1 of" in text
     headers = " ".join(text.split())
     assert all(word in headers for column in df.columns for word in column.split())

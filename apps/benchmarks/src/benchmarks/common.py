@@ -330,9 +330,9 @@ def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> N
     fractional = {str(c): any(map(_is_fraction, df[c])) for c in df.columns}  # times, say: no row names
     parts = column_parts(cells, console.width, fractional)
     for index, widths in enumerate(parts):
-        suffix = (f" (part {index + 1} of {len(parts)}: the table is wider than the terminal)"
-                  if len(parts) > 1 else "")
-        table = Table(title=escape(title + suffix), title_justify="left")
+        suffix = f" (part {index + 1} of {len(parts)}, split to fit the terminal)" if len(parts) > 1 else ""
+        console.print(title + suffix, markup=False, highlight=False, soft_wrap=False)  # wrapped between words
+        table = Table()
         for column, width in widths.items():
             table.add_column(escape(column), justify="right" if numeric[column] else "left", overflow="fold",
                              width=width)

@@ -249,6 +249,7 @@ def with_torch_ratio(rows: list[dict[str, object]]) -> list[dict[str, object]]:
 
 def print_overheads(df: pd.DataFrame) -> None:
     """Each wrapper's overhead over the bare model, beside torch DDP's from the same run."""
+    console.print("Overhead over the bare model (median step minus one device's):")
     rows = df.to_dict("records")
     noisy = noise_against_single(rows)
     torch_noise = any(flag for row, flag in zip(rows, noisy, strict=True) if row["strategy"] == "torch")
@@ -260,10 +261,9 @@ def print_overheads(df: pd.DataFrame) -> None:
             spread = f"±{row['exposed std']:.2f} ms"
             console.print(f"  {row['strategy'] + size:<22} overhead ~0 {NOISE}, spread {spread}")
             continue
-        ratio = ("" if math.isnan(row["/ torch"]) else "  (torch DDP's is noise)"
-                 if torch_noise else f"  = {row['/ torch']:.2f}x torch DDP's")
-        console.print(f"  {row['strategy'] + size:<22} overhead {row['overhead ms']:+8.2f} ms over the bare "
-                      f"model{ratio}")
+        ratio = ("" if math.isnan(row["/ torch"]) else ", no ratio: torch DDP's is noise"
+                 if torch_noise else f" = {row['/ torch']:.2f}x torch DDP's")
+        console.print(f"  {row['strategy'] + size:<22} overhead {row['overhead ms']:+8.2f} ms{ratio}")
     if not (df["strategy"] == "torch").any():
         console.print("  (no torch row: add 'torch' to --strategy for the ratios)")
 
