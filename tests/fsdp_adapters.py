@@ -23,7 +23,7 @@ def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None) -> FSD
 
 
 def fsdp_on_after_backward(fsdp_model: FSDP, optimizer: torch.optim.Optimizer) -> None:
-    """After ``backward()``, before ``optimizer.step()``: the gradients reach their shards."""
+    """After ``backward()``, before ``optimizer.step()``: nothing left (backward reduced every gradient)."""
     fsdp_model.finish_gradient_synchronization()
 
 

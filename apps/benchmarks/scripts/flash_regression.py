@@ -8,10 +8,11 @@ ours is slower than the bound (issue 19: 3% against run 54).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import pandas as pd
+
+from benchmarks.common import ArgumentParser, positive_float
 
 KEY = ["batch*heads", "T", "d", "dtype", "causal"]
 PASSES = ["fwd ms", "bwd ms", "fwd+bwd ms"]
@@ -27,10 +28,11 @@ def ratios(baseline: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("baseline")
     parser.add_argument("new")
-    parser.add_argument("--bound", type=float, default=1.03, help="largest new/baseline time allowed")
+    parser.add_argument("--bound", type=positive_float, default=1.03,
+                        help="largest new/baseline time allowed")
     parser.add_argument("--impl", default="triton")
     args = parser.parse_args()
     baseline, new = (pd.read_csv(path, comment="#") for path in (args.baseline, args.new))

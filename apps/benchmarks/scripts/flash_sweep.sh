@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# flashattn-triton's record sweeps on one H100 (run 54 of packages/flashattn-triton/docs/decisions.md):
+# flashattn-triton's record sweeps on one H100 (run 54 of lab/flashattn-triton/decisions.md):
 # the bfloat16 sweep against SDPA's flash and cuDNN backends, then the float32 sweep against its
 # memory-efficient backend, each its own process and results file; then each compared, cell by cell, with
 # the committed results (flash_regression.py). About 6 minutes; run from the repository root:
@@ -14,7 +14,7 @@ SEQ=1024,2048,4096,8192,16384,32768,65536
 {
   nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   # Compiles every candidate kernel in parallel first, so the sweeps' first calls only time them.
-  timeout 60 python3 packages/flashattn-triton/scripts/tune.py --precompile-only --workers 14
+  timeout 60 python3 lab/flashattn-triton/scripts/tune.py --precompile-only --workers 14
   timeout 260 python3 -m benchmarks.flash --name flash_sdpa --dtypes bfloat16 --seq $SEQ --dims 16,32,64,128 \
       --impls triton,sdpa-flash,sdpa-cudnn --warmup 5 --rep 25 --repeats 3 --max-minutes 3.6 --results-dir "$R"
   echo "bench bf16 rc=$?"

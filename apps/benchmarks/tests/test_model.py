@@ -38,3 +38,23 @@ def test_bad_size_and_attention_are_named():
         model_config("huge")
     with pytest.raises(ValueError, match="attention="):
         TransformerLM(model_config("tiny"), attention="fast")
+
+
+def test_the_llama_layout_gets_the_same_logits_from_every_attention():
+    """Grouped-query attention in HuggingFace's layout (separate projections, (B, T, H, d) views transposed):
+    every attention function, with is_causal or a materialized causal mask, gives naive attention's logits."""
+    import torch
+
+    from benchmarks.model import ATTENTION, ModelConfig, forward_flops
+
+    cfg = ModelConfig(d_model=64, d_ff=128, num_layers=2, num_heads=4, num_kv_heads=2, context_length=32)
+    tokens = random_batch(cfg, 2, 32, "cpu")
+    logits = {}
+    for attention in ATTENTION:
+        torch.manual_seed(0)
+        logits[attention] = TransformerLM(cfg, attention=attention)(tokens)
+    for attention, got in logits.items():
+        torch.testing.assert_close(got, logits["naive"], msg=attention)
+    dense = model_config("tiny", 32)
+    assert forward_flops(cfg, 2, 32) < forward_flops(dense, 2, 32)  # (K/V projections of half the width)
+    assert MODEL_SIZES["llama-8L"].kv_heads == 4

@@ -103,8 +103,11 @@ DDP_STEPS = {("single", None): 100.0, ("naive", None): 140.0, ("flat", None): 12
 def ddp_rows() -> pd.DataFrame:
     return pd.DataFrame([{"strategy": s, "bucket MiB": b if b else "", "ranks": 1 if s == "single" else 2,
                           "buckets": max(1, round(8000 / b)) if s == "bucketed" else "",
-                          "step ms": ms, "step std": 2.0, "exposed comm ms": ms - 100.0, "exposed std": 2.8,
-                          "x single": ms / 100.0} for (s, b), ms in DDP_STEPS.items()])
+                          "step ms": ms, "step std": 2.0, "x single": ms / 100.0,
+                          "comm ms": 0.0 if s == "single" else 30.0,
+                          "exposed comm ms": 0.0 if s == "single" else (ms - 100.0) / 2,
+                          "overlap %": float("nan") if s == "single" else 100 * (1 - (ms - 100.0) / 60)}
+                         for (s, b), ms in DDP_STEPS.items()])
 
 
 def shardopt_tables() -> dict[str, pd.DataFrame]:
@@ -116,7 +119,9 @@ def shardopt_tables() -> dict[str, pd.DataFrame]:
             memory.append({"optimizer": name, "phase": phase, "parameters_MB": 8000.0, "gradients_MB": grads,
                            "optimizer_state_MB": opt, "other_MB": 500.0, "peak_MB": 8500.0 + grads + opt})
     time = pd.DataFrame({"optimizer": ["AdamW (unsharded)", "ShardedOptimizer", "ZeroRedundancyOptimizer"],
-                         "iteration_ms": [200.0, 210.0, 220.0], "optimizer_step_ms": [20.0, 15.0, 16.0]})
+                         "iteration_ms": [200.0, 210.0, 220.0], "optimizer_step_ms": [20.0, 15.0, 16.0],
+                         "comm_ms": [10.0, 20.0, 20.0], "exposed_comm_ms": [10.0, 5.0, 10.0],
+                         "overlap_pct": [0.0, 75.0, 50.0]})
     goal = pd.DataFrame({"criterion": ["state per rank (MB)", "step (ms)"], "measured": [8100.0, 15.0],
                          "limit": [8200.0, 16.0], "met": [True, True]})
     return {"shardopt_memory": pd.DataFrame(memory), "shardopt_time": time, "shardopt_goal": goal}
@@ -143,7 +148,9 @@ def fsdp_rows(scale: float = 1.0) -> pd.DataFrame:
         rows.append({"strategy": strategy, "compute": "fp32", "iteration_ms": ms, "params_MB": params,
                      "model_params_MB": params, "grads_MB": params, "model_grads_MB": params,
                      "optimizer_MB": 2 * params, "model_optimizer_MB": 2 * params, "model_gathered_MB": 0.0,
-                     "model_activations_MB": 900.0, "peak_MB": 4 * params + 1000, "other_MB": 1000.0})
+                     "model_activations_MB": 900.0, "peak_MB": 4 * params + 1000, "other_MB": 1000.0,
+                     "comm_ms": 40.0, "exposed_comm_ms": 10.0 if "fsdp" in strategy else 20.0,
+                     "overlap_pct": 75.0 if "fsdp" in strategy else 50.0})
     return pd.DataFrame(rows)
 
 
@@ -214,7 +221,8 @@ def test_every_section_is_measured_and_plotted(gpu_report):
             assert "Not measured yet" not in section(text, s.title), s.key
     names = {p.name for p in plots}
     assert {"e2e_train.png", "attention.png", "flash_speedup.png", "flash_time.png", "ddp_step_time.png",
-            "allreduce_bandwidth.png", "shardopt_memory.png", "fsdp_memory.png",
+            "allreduce_bandwidth.png", "shardopt_memory.png", "shardopt_overlap.png", "fsdp_memory.png",
+            "fsdp_overlap.png",
             "checkpointing_memory_time.png",
             "e2e_train_memory_2.7B_ctx128_fp32_naive.png"} <= names
     for p in plots:
@@ -293,6 +301,7 @@ def test_ddp_statements(gpu_report):
     assert "slowest: naive 140 ms (1.400x single)" in text
     assert "meets the 1.10x goal); -3.7% against torch DDP, same run." in text
     assert "the bucket model predicts" in text  # from the allreduce fit on the same device
+    assert "naive 20 of 30 ms exposed (33% overlapped)" in text  # from the traced columns
 
 
 @pytest.mark.parametrize("device", [H100, "cpu"])
@@ -300,24 +309,28 @@ def test_ddp_differences_within_noise_are_not_findings(tmp_path, device):
     """Bucketed 2 ms faster than one device with 5 ms of spread is noise, not 0.98x; from a CPU run no
     speed statement is made at all."""
     rows = pd.DataFrame([
-        {"strategy": "single", "step ms": 100.0, "step std": 3.0, "exposed comm ms": 0.0, "exposed std": 0.0},
-        {"strategy": "bucketed", "bucket MiB": 25.0, "step ms": 98.0, "step std": 4.0,
-         "exposed comm ms": -2.0,
-         "exposed std": 5.0},
-        {"strategy": "naive", "step ms": 130.0, "step std": 4.0, "exposed comm ms": 30.0, "exposed std": 5.0},
+        {"strategy": "single", "step ms": 100.0, "step std": 3.0, "x single": 1.0, "comm ms": 0.0,
+         "exposed comm ms": 0.0},
+        {"strategy": "bucketed", "bucket MiB": 25.0, "step ms": 98.0, "step std": 4.0, "x single": 0.98,
+         "comm ms": 20.0, "exposed comm ms": 5.0, "overlap %": 75.0},
+        {"strategy": "naive", "step ms": 130.0, "step std": 4.0, "x single": 1.3, "comm ms": 30.0,
+         "exposed comm ms": 30.0, "overlap %": 0.0},
     ])
     results = tmp_path / "results"
     write(results, "ddp", rows, device=device)
     out, _ = build_report(results, tmp_path / "docs" / "report.md")
     text = section(out.read_text(), title_of("ddp"))
-    assert "| ~0 (noise) " in text and "| -2 " not in text  # the table marks it as the command prints it
+    assert "| ~1 (noise) " in text and "| 0.98 " not in text  # the table marks it as the command prints it
     if device == "cpu":
         assert "Speed: not read from this CPU run" in text and "x single" not in text.split("|")[-1]
         assert "**Measured on a CPU.**" in out.read_text() and "Speed needs a GPU run." in out.read_text()
         return
     assert "bucketed (25 MiB) 98 ms (within noise of single)" in text
-    assert "bucketed (25 MiB) ~0 (noise), naive 30 ms" in text
+    traced = ("bucketed (25 MiB) 5 of 20 ms exposed (75% overlapped), "
+              "naive 30 of 30 ms exposed (0% overlapped)")
+    assert traced in text
     assert "Noise: 1 of 2 strategies" in text
+    assert "no communication on the device" not in text
     assert "this run gives no verdict on the 1.10x goal" in text and "0.980x" not in text
 
 
@@ -325,6 +338,7 @@ def test_shardopt_statements(gpu_report):
     text = section(gpu_report[0], title_of("shardopt"))
     assert "ShardedOptimizer 8,100 MB, 1.98x less than AdamW (unsharded) (16,000 MB)" in text
     assert "ShardedOptimizer against ZeroRedundancyOptimizer: -4.5% per iteration." in text
+    assert "per iteration and rank" in text and "ShardedOptimizer 5 of 20 ms exposed (75% overlapped)" in text
     assert "state per rank (MB): 8100 against 8200: met." in text
     assert "Peak memory per rank over the iteration: AdamW (unsharded) 32,500 MB" in text
 
@@ -333,6 +347,7 @@ def test_fsdp_statements(gpu_report):
     text = section(gpu_report[0], title_of("fsdp"))
     assert "fp32: minddp.FSDP holds 250 MB of parameters per rank, 2x less than DDP (500 MB)" in text
     assert "minddp.FSDP 126 ms per iteration against FSDP2's 120 ms (+5.0%); peak 2,000 MB a rank" in text
+    assert "minddp-fsdp fp32 10 of 40 ms exposed (75% overlapped)" in text
     assert "Settings: model xl." in text  # each model size's file has its table and findings
     assert "minddp.FSDP 252 ms per iteration against FSDP2's 240 ms (+5.0%); peak 3,000 MB a rank" in text
 

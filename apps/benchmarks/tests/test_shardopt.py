@@ -13,7 +13,8 @@ MB = 1e6
 
 
 def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
-    main(["--results-dir", str(tmp_path), "--warmup", "0", "--iters", "1", "--timeout", "900"])  # hang guard
+    main(["--results-dir", str(tmp_path), "--warmup", "0", "--iters", "1", "--trace-steps", "1",
+          "--timeout", "900"])  # a hang guard for its workers: they take a minute
     memory, meta = read_results(tmp_path / "cpu" / "shardopt_memory.csv")
     assert meta["world_size"] == "2" and meta["model"] == "tiny" and "CPU" in meta["memory_accounting"]
     assert "peak_MB" not in memory.columns  # no allocator peak on CPU, so no made-up column
@@ -38,6 +39,10 @@ def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
     assert state_row["met"] and state_row["measured"] <= state_row["limit"]
     time, _ = read_results(tmp_path / "cpu" / "shardopt_time.csv")
     assert (time["iteration_ms"] >= time["optimizer_step_ms"]).all() and (time["optimizer_step_ms"] > 0).all()
+    # from the traces: every optimizer communicates (gradients; the sharded ones also gather parameters),
+    # and the exposed part is within it
+    assert (time["comm_ms"] > 0).all() and (time["exposed_comm_ms"] >= 0).all()
+    assert (time["exposed_comm_ms"] <= time["comm_ms"]).all() and time["overlap_pct"].between(0, 100).all()
 
 
 def test_runs_under_torchrun(tmp_path):

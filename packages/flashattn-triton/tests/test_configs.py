@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashattn_triton import _configs, _hopper, _planning, triton_impl
+from flashattn_triton import _configs, _dispatch, _hopper, _planning, triton_impl
 from flashattn_triton._configs import HOPPER_BACKWARD, HOPPER_FORWARD, BackwardConfig, ForwardConfig, smaller
 
 
@@ -123,11 +123,12 @@ def test_gluon_availability_is_read_without_importing_gluon():
 def test_hopper_kernel_refused_where_it_does_not_apply():
     pytest.importorskip("triton")
     q, k, v, out, grad_out = (torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(5))
-    assert not _hopper.supports("bwd", q, (q, k, v, out, grad_out), 64)  # CPU tensors
+    description = _dispatch.describe("bwd", q, k, (q, k, v, out, grad_out), window=(-1, 0))
+    assert _dispatch.choose(description) != _dispatch.GLUON  # CPU tensors
     lse = torch.zeros(1, 2, 256)
-    with pytest.raises(ValueError, match="16-bit problems with head dim 16 or 32 or 64 or 128"):
+    with pytest.raises(ValueError, match="the Gluon kernels do not run this problem"):
         triton_impl.triton_backward(q, k, v, out, lse, grad_out, True, 0.125, HOPPER_BACKWARD[64][0])
-    with pytest.raises(ValueError, match="16-bit problems with head dim 64 or 128"):
+    with pytest.raises(ValueError, match="the Gluon kernels do not run this problem"):
         triton_impl.triton_forward(q, k, v, True, 0.125, HOPPER_FORWARD[0])
 
 
@@ -183,3 +184,37 @@ def test_candidate_lists_are_the_callers_own():
         before = list(first)
         first += first
         assert table(64, 2, False) == before
+
+
+def test_shipped_kernels_seed_an_empty_triton_cache_once(tmp_path, monkeypatch):
+    """The shipped archive's kernels land in Triton's cache with their group files naming them where they now
+    are; kernels already there are kept, and a second process reads nothing (the marker)."""
+    import io
+    import json
+    import tarfile
+
+    from flashattn_triton import _launcher
+
+    pytest.importorskip("triton")
+    group = json.dumps({"child_paths": {"k.cubin": _launcher.PORTABLE_ROOT + "abc/k.cubin"}}).encode()
+    archive = tmp_path / "kernels.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("abc/k.cubin", b"binary"), ("abc/__grp__k.json", group), ("abc/k.json", b"{}"),
+                           ("old/k.json", b"shipped")):  # fmt: skip
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cache = tmp_path / "cache"
+    (cache / "old").mkdir(parents=True)
+    (cache / "old" / "k.json").write_text("mine")
+    monkeypatch.setattr(_launcher, "shipped_archive", lambda capability: archive)
+    monkeypatch.setattr(_launcher, "triton_cache_dir", lambda: cache)
+    assert _launcher.seed_triton_cache((9, 0)) == 1
+    assert (cache / "abc" / "k.cubin").read_bytes() == b"binary"
+    assert (cache / "old" / "k.json").read_text() == "mine"
+    paths = json.loads((cache / "abc" / "__grp__k.json").read_text())["child_paths"]
+    assert paths == {"k.cubin": str(cache / "abc" / "k.cubin")}
+    (cache / "abc" / "k.cubin").unlink()
+    assert _launcher.seed_triton_cache((9, 0)) == 0 and not (cache / "abc" / "k.cubin").exists()
+    monkeypatch.setenv("FLASHATTN_TRITON_SHIPPED_KERNELS", "0")
+    assert _launcher.seed_triton_cache((9, 0)) == 0

@@ -14,6 +14,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashattn_triton import (
     _configs,
+    _dispatch,
     _hopper,
     _inputs,
     _planning,
@@ -165,6 +166,7 @@ def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_o
     calls = recorded_routes(monkeypatch)
     q, k, v, _ = qkv(1, 4, 2, 128, 128, 64, torch.bfloat16)
     mask = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()
+    mask[100, 7] = False  # (not a band: a causal mask alone runs as is_causal, the next test)
     flash_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # a mask: the feature kernels
     flash_attention(q[:, :, :100], k, v, enable_gqa=True, window_size=(16, 0))  # a band with Tq != Tk: too
     flash_attention(q, k, v, is_causal=True, enable_gqa=True, window_size=(32, 0))
@@ -174,6 +176,32 @@ def test_features_route_to_the_feature_kernels_and_plain_problems_to_the_tuned_o
     flash_attention(q, k, v, dropout_p=0.1, enable_gqa=True, window_size=(16, 0))
     tuned, features = "triton_forward", "feature_forward"
     assert calls == [features, features, tuned, tuned, tuned, tuned, tuned]
+
+
+@pytest.mark.parametrize("where", ["eager", "compiled"])
+def test_a_causal_or_window_mask_runs_the_tuned_kernels_and_matches_sdpa(monkeypatch, where):
+    """A mask that only encodes causality or a sliding window (bool, or float with -inf or the dtype's lowest
+    value, as transformers builds it) runs the tuned kernels as that band, eager or compiled, and gives SDPA's
+    output and gradients with the same mask."""
+    calls = recorded_routes(monkeypatch)
+    q, k, v, grad_out = qkv(2, 4, 4, 256, 256, 64, torch.bfloat16)
+    rows, cols = torch.arange(256, device="cuda")[:, None], torch.arange(256, device="cuda")[None, :]
+    window = (cols <= rows) & (cols > rows - 64)
+    lowest = torch.finfo(torch.bfloat16).min
+    masks = [(cols <= rows)[None, None].expand(2, 1, 256, 256), window,
+             torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16).masked_fill(~window, lowest)]
+    attend = flash_attention if where == "eager" else torch.compile(flash_attention, fullgraph=True)
+    for mask in masks:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*leaves, attn_mask=mask)
+        out.backward(grad_out)
+        references = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = torch.nn.functional.scaled_dot_product_attention(*references, attn_mask=mask)
+        want.backward(grad_out)
+        for got, expected in zip((out, *[t.grad for t in leaves]), (want, *[t.grad for t in references]),
+                                 strict=True):  # fmt: skip
+            torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    assert calls == ["triton_forward"] * len(masks)
 
 
 @pytest.mark.parametrize("enable_gqa", [False, True])
@@ -472,7 +500,7 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ho
     grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2) if layout != "bhtd" else grad_out
     args = op_arguments(q, k, v, is_causal=is_causal, window_size=window, enable_gqa=True)
     want = float64_torch_path(args, grad_out)
-    gluon = {pass_name: head_dim in _hopper.HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
+    gluon = {pass_name: head_dim in _dispatch.GLUON_HEAD_DIMS[pass_name] for pass_name in ("fwd", "bwd")}
     for forward in hopper_configs("fwd", head_dim) if gluon["fwd"] else [None]:
         torch.empty(256 * 2**20 // 4, device="cuda").fill_(float("nan"))  # (freed: the next allocations')
         out, lse = triton_impl.triton_forward(q, k, v, is_causal, args.scale, forward, window=window)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashattn_triton import _planning, _tuning
+from flashattn_triton import _dispatch, _planning, _tuning
 from flashattn_triton._configs import ForwardConfig
 from flashattn_triton._planning import Problem, candidates
 
@@ -103,7 +103,20 @@ def test_no_tuning_inside_a_capture_or_a_trace(cache_dir, monkeypatch, where):
     assert timings.tunings == 0 and not list(cache_dir.rglob("*.json"))
     monkeypatch.undo()
     monkeypatch.setenv("FLASHATTN_TRITON_CACHE_DIR", str(cache_dir))
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
     assert choose(cache, timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1  # later, outside
+
+
+def test_calls_never_tune_unless_asked(cache_dir, monkeypatch):
+    """Unset, FLASHATTN_TRITON_AUTOTUNE leaves an unknown class on its default (a first call never waits for
+    tuning); a choice an earlier tuning kept is still used."""
+    monkeypatch.delenv("FLASHATTN_TRITON_AUTOTUNE")
+    timings = Timings(3.0, 1.0, 2.0)
+    assert choose(_tuning.TuningCache(), timings, monkeypatch) == CANDIDATES[0] and timings.tunings == 0
+    monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "1")
+    assert choose(_tuning.TuningCache(), timings, monkeypatch) == CANDIDATES[1] and timings.tunings == 1
+    monkeypatch.delenv("FLASHATTN_TRITON_AUTOTUNE")
+    assert choose(_tuning.TuningCache(), Timings(1.0, 3.0, 2.0), monkeypatch) == CANDIDATES[1]
 
 
 def test_entries_of_other_processes_are_kept_and_stale_ones_ignored(cache_dir, monkeypatch):
@@ -143,18 +156,26 @@ def test_a_torn_file_is_tuned_again_and_rewritten(cache_dir, monkeypatch):
 def test_deterministic_backward_candidates_have_no_atomics():
     problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
     assert any(c.atomic_dq for c in candidates(problem)) and any(c.hopper for c in candidates(problem))
-    exact = dataclasses.replace(problem, deterministic=True)
+    exact = dataclasses.replace(problem, deterministic=True, hopper=False)  # (the table's: SM90_BACKWARD)
     assert candidates(exact) and not any(c.atomic_dq or c.hopper for c in candidates(exact))
     assert exact.size_key != problem.size_key
+    assert _dispatch.why_not(_dispatch.GLUON, dataclasses.replace(SM90_BACKWARD, deterministic=True))
+
+
+# The Description of a large causal bf16 backward on an sm_90 GPU, in (B, H, T, d) memory.
+SM90_BACKWARD = _dispatch.Description("bwd", (9, 0), True, True, torch.bfloat16, 64, 8192, 8192,
+                                      ("bhtd",) * 5, window=(-1, 0))
 
 
 def test_dropout_problems_run_no_gluon_kernels_and_small_ones_add_no_dq_atomically():
     """The Gluon kernels have no dropout; a small problem with dropout, like one without, adds dQ up without
     atomics (so its gradients repeat bitwise under torch.manual_seed), and a deterministic one never."""
     for pass_name in ("fwd", "bwd"):
+        described = dataclasses.replace(SM90_BACKWARD, pass_name=pass_name, layouts=("bhtd",) * 3)
+        assert _dispatch.choose(described) == _dispatch.GLUON
+        assert _dispatch.why_not(_dispatch.GLUON, dataclasses.replace(described, dropout=True)) == "dropout"
         large = Problem(pass_name, 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
-        dropout = dataclasses.replace(large, dropout=True)
-        assert large.uses_hopper and not dropout.uses_hopper
+        dropout = dataclasses.replace(large, dropout=True, hopper=False)
         assert not any(c.hopper for c in candidates(dropout)) and dropout.size_key != large.size_key
     small = Problem("bwd", 8, 4096, 4096, 64, torch.bfloat16, True, "tf32", 132, dropout=True)
     assert small.small and not any(c.atomic_dq for c in candidates(small))

@@ -102,6 +102,61 @@ def test_a_bucket_closes_once_it_reaches_the_size(single_rank_group):
     assert len(BucketedDDP(model, bucket_size_mb=0).bucket_names) == 4
 
 
+class OutOfOrder(nn.Module):
+    """Layers registered in another order than forward runs them: the last one registered runs first, so
+    its gradient comes last, though reverse registration order would put it in the first bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 8)
+        self.middle = nn.Linear(64, 64)
+        self.embed = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.middle(torch.relu(self.embed(x)))))
+
+
+def torch_ddp_rebuilt_buckets(model: nn.Module, size_mb: float) -> list[list[str]]:
+    """The buckets torch DDP has rebuilt after the first iterations, in the order backward produced the
+    gradients (from its logging data), by parameter name."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=size_mb)
+    for _ in range(3):  # rebuilt at the second forward, logged at the third
+        ddp(torch.randn(3, 16)).sum().backward()
+    logged = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    return [[names[int(i)] for i in bucket.split()] for bucket in logged.split(",")]
+
+
+@pytest.mark.parametrize("size_mb", [0, 0.004, 0.02])
+def test_buckets_are_rebuilt_in_the_order_backward_produced_the_gradients_as_torch_ddps(single_rank_group,
+                                                                                       size_mb):
+    torch.manual_seed(0)
+    ddp = BucketedDDP(OutOfOrder(), bucket_size_mb=size_mb)
+    registered = [n for n, _ in ddp.module.named_parameters()]
+    assert sum(ddp.bucket_names, [])[::-1] == registered  # reverse registration order until backward ran
+    ddp(torch.randn(3, 16)).sum().backward()
+    assert ddp.bucket_names == torch_ddp_rebuilt_buckets(OutOfOrder(), size_mb)
+    assert ddp.bucket_names[0][0].startswith("head.")
+
+
+def test_a_parameter_registered_after_its_use_holds_back_no_bucket_once_rebuilt(single_rank_group,
+                                                                                  monkeypatch):
+    launched: list[torch.Tensor] = []  # gradient buckets only, not integer flags
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **kw: (
+        tensor.is_floating_point() and launched.append(tensor)) or all_reduce(tensor, *a, **kw))
+    model = OutOfOrder()
+    ddp = BucketedDDP(model, bucket_size_mb=0)  # one parameter a bucket
+    launched_before_embed: list[int] = []  # when the last gradient of backward is computed
+    model.embed.weight.register_hook(lambda grad: launched_before_embed.append(len(launched)))
+    for _ in range(2):
+        launched.clear()
+        ddp(torch.randn(3, 16)).sum().backward()
+    # Reverse registration order puts embed's bias and weight first: only the bias's bucket could go before
+    # backward reached the weight, its last gradient. Rebuilt, every bucket but the weight's goes before it.
+    assert launched_before_embed == [1, len(ddp.bucket_names) - 1]
+
+
 @pytest.mark.parametrize("strategy, during_backward", [("naive", False), ("flat", False), ("overlap", True),
                                                        ("bucketed", True)])
 def test_overlapped_strategies_launch_during_backward_the_others_after(single_rank_group, monkeypatch,
@@ -116,7 +171,8 @@ def test_overlapped_strategies_launch_during_backward_the_others_after(single_ra
     model[0].weight.register_hook(lambda grad: seen_before_first_layer.append(len(launched)))
     ddp(torch.randn(3, 4)).sum().backward()
     assert (seen_before_first_layer[0] > 0) == during_backward
-    assert len(launched) == len(ddp.bucket_names)  # all of them by the time backward returns
+    # All of them by the time backward returns, and the round's open and close flags.
+    assert len(launched) == len(ddp.bucket_names) + 2
 
 
 

@@ -33,7 +33,7 @@ def test_a_device_the_backend_cannot_serve_is_named(single_rank_group):
         NaiveDDP(model)
 
 
-@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "25"])
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "25", 1e308])  # 1e308 MiB: inf bytes
 def test_bucket_size_must_be_a_non_negative_number(bad):
     with pytest.raises(ValueError, match="bucket_size_mb"):
         BucketedDDP(nn.Linear(2, 2), bucket_size_mb=bad)
@@ -67,6 +67,31 @@ def test_a_comm_hook_is_registered_once(single_rank_group):
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     with pytest.raises(RuntimeError, match="only be called once"):
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+
+
+def returns_the_buffer(state: object, bucket: minddp.GradBucket) -> torch.Tensor:
+    return bucket.buffer()  # the tensor itself, where a Future of it belongs
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_comm_hook_that_returns_no_future_is_named(single_rank_group, strategy):
+    ddp = make_ddp(strategy, nn.Linear(2, 2))
+    ddp.register_comm_hook(None, returns_the_buffer)
+    with pytest.raises(TypeError, match=r"hook returns_the_buffer returned a Tensor for bucket 0; .*Future"):
+        ddp(torch.ones(1, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_changing_dtype_or_device_after_wrapping_says_wrap_after_to(single_rank_group, strategy):
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    ddp = make_ddp(strategy, model)
+    for convert in (ddp.double, ddp.half, lambda: ddp.to("meta"), lambda: ddp.to(torch.bfloat16)):
+        with pytest.raises(RuntimeError, match=r"torch.float32 tensors on cpu into .* Wrap after \.to\(\)"):
+            convert()
+        assert {p.dtype for p in model.parameters()} == {torch.float32}  # refused before anything changed
+    ddp.to("cpu").float()  # what changes nothing is allowed
+    ddp(torch.ones(3, 2)).sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 NO_NUMPY = """

@@ -7,7 +7,8 @@ parameters must match bit for bit. They must also match a plain backward over th
 batch to rounding (that backward sums inside each matmul, in an order no data-parallel wrapper
 can reproduce); torch's own FSDP2 and DDP, trained beside it, match it bit for bit at 2 ranks.
 The model has Transformer-style blocks, an LM head tied to the embedding, a frozen layer,
-1-D parameters (kept whole) and unit sizes that need padding at 2 and 3 ranks.
+1-D parameters and sizes that need padding at 2 and 3 ranks. ``FSDP`` is a thin layer over
+``fully_shard``, whose own tests (test_fully_shard.py) cover memory, meta init, HSDP and the rest.
 """
 
 from __future__ import annotations
@@ -45,22 +46,20 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Blocks of 35 + 35 weights (padded at 3 ranks), a tied 55-weight embedding (padded at 2)."""
+    """Blocks of 35 + 35 weights (padded at 3 ranks) in an nn.Sequential, a tied 55-weight embedding (padded
+    at 2)."""
 
     def __init__(self, layers: int = 2, d: int = D, hidden: int = HIDDEN) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, d)
         self.frozen = nn.Linear(d, d, bias=False).requires_grad_(False)
-        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(layers))
+        self.blocks = nn.Sequential(*(Block(d, hidden) for _ in range(layers)))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB, bias=False)
         self.head.weight = self.embedding.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.frozen(self.embedding(tokens))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(self.blocks(self.frozen(self.embedding(tokens)))))
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -275,96 +274,6 @@ def test_gradients_accumulate_until_synchronized(ranks: Any) -> None:
     for differences in ranks(accumulate, 2):
         assert differences["two backwards"] < 1e-6 and differences["two forwards"] < 1e-6, differences
 
-def shared_across_units(rank: int, world_size: int) -> dict[str, Any]:
-    """A weight used by two blocks (two units) belongs to the root unit and trains like one tensor."""
-    torch.manual_seed(0)
-    base = TinyLM()
-    base.blocks[1].up.weight = base.blocks[0].up.weight
-    reference = copy.deepcopy(base)
-    fsdp = FSDP(copy.deepcopy(base))
-    optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.2)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)
-    for batch in batches(world_size):
-        optimizer.zero_grad(set_to_none=True)
-        loss_of(fsdp, batch.chunk(world_size)[rank]).backward()
-        fsdp.finish_gradient_synchronization()
-        optimizer.step()
-        reference_step(reference, ref_opt, batch, world_size, None)
-    root = next(u for u in fsdp.units if u.name == "")
-    return {"difference": largest_difference(fsdp.gather_full_params(), reference),
-            "in_root": "blocks.0.up.weight" in [slot.name for slot in root.slots],
-            "moved": largest_difference(fsdp.gather_full_params(), base)}
-
-
-def test_a_weight_shared_by_two_units_trains_as_one(ranks: Any) -> None:
-    for result in ranks(shared_across_units, 2):
-        assert result["in_root"] and result["moved"] > 1e-3
-        assert result["difference"] == 0.0, result
-
-# --- memory -----------------------------------------------------------------------------------------
-
-def memory_per_rank(rank: int, world_size: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = TinyLM(layers=4, d=16, hidden=48)
-    total = {"params": sum(p.numel() for p in model.parameters()),
-             "block": sum(p.numel() for p in model.blocks[0].parameters() if p.dim() >= 2),
-             "root": model.embedding.weight.numel()}
-    whole = [p for p in model.parameters() if p.dim() < 2 or not p.requires_grad]
-    fsdp = FSDP(model)
-    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
-    peak_gathered = [0]
-    in_backward_gathered = [0]
-
-    def sample(backward: bool) -> None:
-        now = sum(u.gathered_nbytes for u in fsdp.units)
-        peak_gathered[0] = max(peak_gathered[0], now)
-        if backward:
-            in_backward_gathered[0] = max(in_backward_gathered[0], now)
-
-    for m in model.modules():
-        m.register_forward_pre_hook(lambda *_: sample(False))
-        m.register_forward_hook(lambda *_: sample(False))
-        if m is not model and not list(m.children()):
-            m.register_full_backward_pre_hook(lambda *_: sample(True))
-    for _ in range(2):  # the second iteration prefetches
-        optimizer.zero_grad(set_to_none=True)
-        loss_of(fsdp, batches(world_size)[0].chunk(world_size)[rank]).backward()
-        fsdp.finish_gradient_synchronization()
-        optimizer.step()
-    with torch.no_grad():
-        fsdp(batches(world_size)[0][:, :-1])
-    freed_after_no_grad = sum(u.gathered_nbytes for u in fsdp.units)
-    held = {"params": sum(p.nbytes for p in fsdp.parameters()),
-            "grads": sum(p.grad.nbytes for p in fsdp.parameters() if p.grad is not None),
-            "state": sum(t.nbytes for s in optimizer.state.values() for t in s.values() if t.dim() > 0)}
-    shards = sum(u.padded_numel for u in fsdp.units) // world_size
-    return {"total": total, "held": held, "shards": shards, "peak": peak_gathered[0],
-            "after_no_grad": freed_after_no_grad,
-            "whole": sum(p.numel() for p in whole),
-            "units": [u.name for u in fsdp.units],
-            "whole_trainable": sum(p.numel() for p in whole if p.requires_grad),
-            "backward": in_backward_gathered[0], "after": sum(u.gathered_nbytes for u in fsdp.units)}
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_memory_per_rank_is_a_shard_plus_the_gathered_units(ranks: Any, world_size: int) -> None:
-    for r in ranks(memory_per_rank, world_size):
-        total = r["total"]
-        padding = r["shards"] * world_size - (total["params"] - r["whole"])
-        assert 0 <= padding < world_size * len(r["units"])
-        assert r["held"]["params"] == 4 * (r["shards"] + r["whole"])  # fp32 bytes
-        assert r["held"]["grads"] == 4 * (r["shards"] + r["whole_trainable"])
-        assert r["held"]["state"] == 2 * r["held"]["grads"]  # AdamW: exp_avg and exp_avg_sq
-        assert r["held"]["params"] < 0.6 * 4 * total["params"]  # about 1/N of the model
-        # At most the root (embedding) and two blocks (the one running, the next prefetched) at once.
-        limit = 4 * (total["root"] + 2 * total["block"] + 2 * world_size)
-        assert r["peak"] >= 4 * (total["root"] + 2 * total["block"])  # the next block's gather was in flight
-        assert r["peak"] <= limit
-        assert r["backward"] >= 4 * total["block"]  # the backward gathered again
-        assert r["after"] == 0  # everything freed once the gradients are synchronized
-        assert r["after_no_grad"] == 0  # and after a forward without gradients
-
-
 def alive_after_training_and_dropping(wrap: Any) -> tuple[int, int]:
     """Trains ``wrap(TinyLM())`` a few AdamW steps and drops it; how many of its parameters, gradients and
     (minddp's) units are still alive, and how many gradients there were."""
@@ -438,19 +347,11 @@ def test_checkpoints_move_between_world_sizes(ranks: Any, tmp_path: Any, save_at
 
 # --- bad input --------------------------------------------------------------------------------------
 
-class NormOnlyBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-
-
 def error_messages(rank: int, world_size: int) -> dict[str, str]:
     cases = {
         "differs": lambda: FSDP(TinyLM(hidden=HIDDEN + rank)),
-        "empty unit": lambda: FSDP(nn.Sequential(NormOnlyBlock(), nn.Linear(D, D)), wrap=[NormOnlyBlock]),
         "integer dtype": lambda: FSDP(TinyLM(), compute_dtype=torch.int32),
-        "kept but sharded": lambda: FSDP(TinyLM(), compute_dtype=torch.bfloat16,
-                                         keep_dtype_modules=[nn.Linear]),
+        "shared by two blocks": lambda: FSDP(tied_across_blocks()),
     }
     messages = {}
     for name, build in cases.items():
@@ -462,12 +363,27 @@ def error_messages(rank: int, world_size: int) -> dict[str, str]:
     return messages
 
 
+def tied_across_blocks() -> TinyLM:
+    model = TinyLM()
+    model.blocks[1].up.weight = model.blocks[0].up.weight
+    return model
+
+
 def test_bad_input_gets_a_clear_error_on_every_rank(ranks: Any) -> None:
     for messages in ranks(error_messages, 2):
-        assert "module: rank 0 has parameter blocks.0.up.weight (7, 5)" in messages["differs"]
-        assert "rank 1 has parameter blocks.0.up.weight (8, 5)" in messages["differs"]
-        assert "wrap: module '0' (NormOnlyBlock) has no parameters to shard" in messages["empty unit"]
+        assert "fully_shard: rank 0 has parameter up.weight (7, 5)" in messages["differs"]
+        assert "rank 1 has parameter up.weight (8, 5)" in messages["differs"]
         assert "compute_dtype=torch.int32 is not a floating-point" in messages["integer dtype"]
-        assert "keep_dtype_modules: frozen.weight" not in messages["kept but sharded"]  # frozen: kept whole
-        assert "keep_dtype_modules: blocks.0.up.weight (Linear, shape (7, 5)) is sharded" in messages[
-            "kept but sharded"]
+        assert "parameter 'up.weight' is shared with 'Block.up.weight'" in messages["shared by two blocks"]
+
+
+def call_the_inner_module(rank: int, world_size: int) -> float:
+    """``fsdp.module(x)`` is the sharded model itself: the same output as ``fsdp(x)``."""
+    torch.manual_seed(0)
+    fsdp = FSDP(TinyLM())
+    tokens = batches(world_size)[0].chunk(world_size)[rank]
+    return (fsdp.module(tokens) - fsdp(tokens)).abs().max().item()
+
+
+def test_calling_the_inner_module_is_calling_the_model(ranks: Any) -> None:
+    assert ranks(call_the_inner_module, 2) == [0.0, 0.0]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import operator
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +89,62 @@ def test_under_torchrun_fn_runs_in_this_process(monkeypatch):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# A launcher as a command is one: a script that spawns two ranks that wait; each rank names itself by a file.
+LAUNCHER = """
+import os, sys, time
+from pathlib import Path
+from minddp import launch
+
+def wait_forever(folder):
+    Path(folder, str(os.getpid())).touch()
+    time.sleep(3600)
+
+if __name__ == "__main__":
+    folder, start_method, fallback = sys.argv[1:]
+    if fallback == "watch":  # as where there is no prctl: the thread watching the parent's pid
+        launch._parent_death_signal = lambda: False
+    launch.spawn(wait_forever, 2, (folder,), start_method=start_method, timeout_s=3600)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, dead but not yet reaped by whoever adopted it, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def poll(condition, limit_s: float, guards: str) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"hang guard ({limit_s:.0f} s): {guards}"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+@pytest.mark.parametrize(("start_method", "fallback"), [("spawn", "prctl"), ("fork", "watch")])
+def test_workers_exit_when_their_launcher_is_killed(tmp_path, start_method, fallback):
+    """SIGKILL leaves the launcher no chance to stop its workers; they must notice and exit by themselves."""
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path), start_method, fallback],
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    workers: list[int] = []
+    try:
+        def started() -> bool:
+            workers[:] = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+            assert launcher.poll() is None, f"the launcher exited with {launcher.returncode}"
+            return len(workers) == 2
+        poll(started, 600, "two workers starting (importing torch, joining a gloo group)")
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        poll(lambda: not any(alive(pid) for pid in workers), 120,
+             f"workers {workers} exiting after their launcher was killed")
+    finally:
+        launcher.kill()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

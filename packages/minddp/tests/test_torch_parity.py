@@ -9,6 +9,12 @@ with 3 the sum of three values may round differently between the two bucket layo
 Cases: buffers broadcast at every forward (BatchNorm, a random buffer) or not; no_sync
 accumulation; torch's communication hooks; unused parameters; uneven inputs under join();
 recovery after an exception in forward and in backward on every rank.
+
+Then, on 2 ranks: one rank raises in forward or backward, catches it and skips the step. Without
+the round's agreement (see minddp.reducer), NaiveDDP averaged gradients of different iterations
+from then on, silently, and the overlapping strategies aborted inside gloo ("Received data size
+doesn't match expected size"). Now every rank raises once, and training then matches torch DDP
+trained on the batches each rank actually stepped on.
 """
 
 from __future__ import annotations
@@ -125,11 +131,12 @@ def train_accumulating(ddp: nn.Module, rank: int, world_size: int) -> None:
         opt.zero_grad()
 
 
-def train_uneven(ddp: nn.Module, rank: int, world_size: int, divide: bool) -> None:
-    """Rank r has 2 + r batches; join() lets the others go on without it."""
+def train_uneven(ddp: nn.Module, rank: int, world_size: int, divide: bool, fewest: int = 2) -> None:
+    """Rank r has ``fewest`` + r batches; join() lets the others go on without it. With ``fewest=0``
+    rank 0 joins before any backward, and takes part in the others' bucket rebuild from its shadow."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with ddp.join(divide_by_initial_world_size=divide):
-        for step in range(2 + rank):
+        for step in range(fewest + rank):
             loss_of(ddp, *batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
@@ -150,13 +157,18 @@ def train_through_failures(ddp: nn.Module, rank: int, world_size: int) -> None:
         opt.zero_grad()
 
 
-def train_without_failures(ddp: nn.Module, rank: int, world_size: int) -> None:
-    """What train_through_failures must amount to: the steps that did not fail."""
+def train_on(ddp: nn.Module, rank: int, steps: list[int]) -> None:
+    """The batches of ``steps`` only: what a run that skipped the others must amount to."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    for step in [0, 3, 4]:
+    for step in steps:
         loss_of(ddp, *batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
+
+
+def train_without_failures(ddp: nn.Module, rank: int, world_size: int) -> None:
+    """What train_through_failures must amount to: the steps that did not fail."""
+    train_on(ddp, rank, [0, 3, 4])
 
 
 def torch_ddp(model: nn.Module, **kwargs: Any) -> DistributedDataParallel:
@@ -196,6 +208,8 @@ CASES: dict[str, tuple[type[nn.Module], dict[str, Any], Callable, Callable, Call
     **{f"join-divide-{divide}": (Net, {}, lambda d, r, w, divide=divide: train_uneven(d, r, w, divide),
                                  lambda d, r, w, divide=divide: train_uneven(d, r, w, divide), None)
        for divide in (True, False)},
+    "join-from-none": (Net, {}, lambda d, r, w: train_uneven(d, r, w, True, fewest=0),
+                       lambda d, r, w: train_uneven(d, r, w, True, fewest=0), None),
     "recovery": (Failing, {}, train_through_failures, train_without_failures, None),
 }
 NAMES = [f"{strategy}/{case}" for strategy, case in itertools.product(STRATEGIES, CASES)]
@@ -242,7 +256,8 @@ def test_trains_like_torch_ddp(diffs, name):
 
 
 def count_collectives(rank: int, world_size: int) -> dict[str, int]:
-    """Collectives issued by one training step, after the first, by strategy and find_unused_parameters."""
+    """Collectives issued by one training step, after the first, beyond the buckets' (by strategy and
+    find_unused_parameters)."""
     counts = {}
     calls: list[str] = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather")}
@@ -269,11 +284,12 @@ def count_collectives(rank: int, world_size: int) -> dict[str, int]:
     return counts
 
 
-def test_no_collective_beyond_the_gradients_unless_find_unused_parameters(ranks):
+def test_two_small_collectives_beyond_the_gradients_with_or_without_find_unused_parameters(ranks):
+    # The round's open and close flags (which ranks began and completed the step); the close one also
+    # carries which parameters some rank used, under find_unused_parameters.
     for counts in ranks(count_collectives, 2):
         for strategy in STRATEGIES:
-            assert counts[f"{strategy}/False"] == 0, counts
-            assert counts[f"{strategy}/True"] == 1, counts  # which parameters some rank used
+            assert counts[f"{strategy}/False"] == counts[f"{strategy}/True"] == 2, counts
 
 
 def early_termination(rank: int, world_size: int) -> list[str]:
@@ -296,3 +312,95 @@ def test_throw_on_early_termination_raises_on_every_rank_as_torch_does(ranks):
     # 2 ranks only: torch DDP takes seconds to raise.
     for rank, (ours, theirs) in enumerate(ranks(early_termination, 2)):
         assert ours == theirs and "exhausted" in ours, f"rank {rank}: {ours!r} vs torch's {theirs!r}"
+
+
+FAILING_RANK = 1
+# (strategy, where the failing rank raises, find_unused_parameters, the step it fails at). Failing at step
+# 0 skips the averaged backward whose gradient order the buckets are rebuilt in: no rank rebuilds then.
+SKIP_CASES = [(s, where, False, 1) for s in STRATEGIES for where in ("backward", "forward")]
+SKIP_CASES += [("bucketed", "backward", True, 1), ("bucketed", "backward", False, 0),
+               ("naive", "forward", False, 0)]
+
+
+def skip_case_name(strategy: str, where: str, find_unused: bool, failing_step: int) -> str:
+    return f"{strategy}/{where}/find_unused={find_unused}" + ("/at step 0" if failing_step == 0 else "")
+
+
+def train_skipping(ddp: nn.Module, rank: int, where: str, failing_step: int) -> tuple[list[int], list[str]]:
+    """Batch ``failing_step`` fails on FAILING_RANK; every exception is caught and its step skipped, as a
+    loop that tolerates a flaky batch does, until 3 steps are taken. Returns the batches stepped on and the
+    errors."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    stepped, errors = [], []
+    step = 0
+    while len(stepped) < 3:
+        ddp.module.fail = where if step == failing_step and rank == FAILING_RANK else None
+        try:
+            loss_of(ddp, *batch(step, rank)).backward()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        else:
+            opt.step()
+            stepped.append(step)
+        opt.zero_grad()
+        step += 1
+    return stepped, errors
+
+
+def largest_difference(model: nn.Module, reference: nn.Module) -> float:
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    return max((p - q).abs().max().item() for p, q in pairs)
+
+
+def skip_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for strategy, where, find_unused, failing_step in SKIP_CASES:
+        options = {"find_unused_parameters": find_unused}
+        wrap = functools.partial(make_ddp, strategy, **options)
+        if strategy == "bucketed":  # a bucket per parameter: the output layer's go before the failure
+            wrap = functools.partial(wrap, bucket_size_mb=0.0001)
+        torch.manual_seed(rank)
+        model = Failing()
+        stepped, errors = train_skipping(wrap(model), rank, where, failing_step)
+        torch.manual_seed(rank)
+        reference = Failing()
+        train_on(torch_ddp(reference, **options), rank, stepped)
+        seen[skip_case_name(strategy, where, find_unused, failing_step)] = {
+            "stepped": stepped, "errors": errors, "diff": largest_difference(model, reference)}
+
+    # A forward under grad mode on every rank, without backward (an evaluation outside no_grad): no error.
+    models = []
+    for wrap in (functools.partial(make_ddp, "bucketed", bucket_size_mb=0.0001), torch_ddp):
+        torch.manual_seed(rank)
+        models.append(Failing())
+        ddp = wrap(models[-1])
+        ddp(batch(0, rank)[0])
+        train_on(ddp, rank, [1, 2])
+    seen["forward without backward everywhere"] = largest_difference(*models)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def skipped(ranks) -> list[dict[str, Any]]:
+    return ranks(skip_on_one_rank, 2, timeout=180)
+
+
+@pytest.mark.parametrize("name", [skip_case_name(*case) for case in SKIP_CASES])
+def test_a_step_skipped_on_one_rank_raises_on_every_rank_then_trains_like_torch_ddp(skipped, name):
+    healthy, failing = skipped[1 - FAILING_RANK][name], skipped[FAILING_RANK][name]
+    failed = 0 if name.endswith("at step 0") else 1
+    # The healthy rank raises at the end of the failed step's backward, and skips that batch.
+    assert healthy["stepped"] == [s for s in range(4) if s != failed], healthy
+    assert len(healthy["errors"]) == 1 and f"rank(s) {FAILING_RANK} skipped this step" in healthy["errors"][0]
+    # The failing rank: its own exception, then ours at its next forward (batch 2, lost), then it trains.
+    assert failing["stepped"] == [s for s in range(5) if s not in (failed, failed + 1)], failing
+    own, ours = failing["errors"]
+    assert "injected failure" in own
+    assert f"rank {FAILING_RANK} skipped its last averaged step" in ours and "rank(s) 0 completed it" in ours
+    for outcome in (healthy, failing):
+        assert outcome["diff"] == 0.0, f"{name}: differs from torch DDP by {outcome['diff']}"
+
+
+def test_a_forward_without_backward_on_every_rank_is_no_skip(skipped):
+    for seen in skipped:
+        assert seen["forward without backward everywhere"] == 0.0

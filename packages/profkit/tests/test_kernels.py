@@ -8,10 +8,13 @@ from profkit.kernels import (
     COLUMNS,
     OUTSIDE,
     TraceEvent,
+    events_from_chrome,
     events_from_kineto,
     is_matmul,
     summarize_kernels,
+    trace_events,
 )
+from profkit.traces import load_trace
 
 
 def ranges(*spans):
@@ -172,21 +175,11 @@ def test_kineto_events_link_kernels_to_the_operator_that_launched_them(cls):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_profile_phases_reports_each_phase(device):
+def test_profile_phases_reports_each_phase(device, training_step):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device)
     optimizer = torch.optim.AdamW(model.parameters())
-    x = torch.randn(16, 32, device=device)
-
-    def step(phase):
-        optimizer.zero_grad()
-        with phase("forward"):
-            loss = model(x).square().mean()
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            optimizer.step()
-
+    step = training_step(model, optimizer, torch.randn(16, 32, device=device))
     report = profkit.profile_phases(step, warmup=1, steps=2, device=device)
     # Work outside the three phases (the profiler's own set-up ops, say) gets a table of its own, last.
     assert [p for p in report.tables if p != OUTSIDE] == ["forward", "backward", "optimizer"]
@@ -200,3 +193,26 @@ def test_profile_phases_reports_each_phase(device):
         addmm = next(k for k in forward.kernels if k.name == "aten::addmm")
         assert len(addmm.durations_ns) == 4  # two layers, two profiled steps
         assert "aten::mm" in {k.name for k in backward.kernels}
+
+
+def test_chrome_trace_events_summarize_as_the_profilers_own(tmp_path, training_step):
+    """The same profiled steps, read from torch's Kineto events and from its exported Chrome trace."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    step = training_step(model, torch.optim.AdamW(model.parameters()), torch.randn(16, 32))
+    clock = profkit.PhaseClock()
+    step(clock)
+    with torch.profiler.profile() as prof:
+        for _ in range(2):
+            step(clock)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    ours = summarize_kernels(events_from_chrome(load_trace(tmp_path / "t.json")), steps=2)
+    theirs = summarize_kernels(trace_events(prof), steps=2)
+    assert list(ours.tables) == list(theirs.tables)
+    for phase, table in theirs.tables.items():
+        mine = {k.name: k for k in ours.tables[phase].kernels}
+        assert set(mine) == {k.name for k in table.kernels}
+        for k in table.kernels:
+            assert len(mine[k.name].durations_ns) == len(k.durations_ns)
+            # the trace stores microseconds with three decimals: a nanosecond per event at most
+            assert abs(mine[k.name].total_ns - k.total_ns) <= len(k.durations_ns) + 1

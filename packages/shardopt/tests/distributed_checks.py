@@ -487,6 +487,67 @@ def check_distributed_checkpoint_between_world_sizes(tmp: Path) -> None:
             assert_equal_params(model, reference, f"after resuming the {name} checkpoint in AdamW")
 
 
+class FrozenTrunk(nn.Module):
+    """A frozen Linear(64, 64) under two small trainable layers: at 2 ranks, rank 0 owns only its weight."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.trunk = nn.Linear(64, 64).requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.to(DEVICE)
+
+    def loss(self, step: int) -> torch.Tensor:
+        inputs = torch.randn(4, 64, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        return self.head(self.trunk(inputs)).square().mean()
+
+
+def check_distributed_checkpoint_with_a_rank_of_frozen_parameters(tmp: Path) -> None:
+    """get_optimizer_state_dict steps an optimizer whose ``state`` is empty: on every rank or on none.
+
+    A rank that owns only frozen parameters holds no state, even after training; torch's
+    _init_optim_state used to step there alone, and the save aborted (a hang on NCCL).
+    """
+    rank, world_size = world()
+    model, reference = FrozenTrunk(), FrozenTrunk()
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    mine = [p for p, owner in zip(model.parameters(), optimizer.param_owners, strict=True) if owner == rank]
+    if rank == 0:
+        assert mine and not any(p.requires_grad for p in mine), "rank 0 should own only frozen parameters"
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    train(model, optimizer, range(3), (reference, reference_optimizer))
+    state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=tmp / "checkpoint")
+    # A fresh optimizer (no state anywhere, so every rank takes the initializing step) loads it back.
+    resumed = FrozenTrunk(seed=1)
+    resumed_optimizer = ShardedOptimizer(resumed.parameters(), torch.optim.AdamW, lr=0.5)
+    state = {"model": resumed.state_dict(), "optimizer": get_optimizer_state_dict(resumed, resumed_optimizer)}
+    dcp.load(state, checkpoint_id=tmp / "checkpoint")
+    resumed.load_state_dict(state["model"])
+    set_optimizer_state_dict(resumed, resumed_optimizer, optim_state_dict=state["optimizer"])
+    assert resumed_optimizer.param_groups[0]["lr"] == 1e-2
+    train(resumed, resumed_optimizer, range(3, 6), (reference, reference_optimizer))
+
+
+def check_state_of_a_parameter_owned_elsewhere_names_its_owner(_: Path) -> None:
+    rank, _ = world()
+    model = ParamBag([10, 20, 30, 40])
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    train(model, optimizer, range(1))
+    for index, (param, owner) in enumerate(zip(model.parameters(), optimizer.param_owners, strict=True)):
+        if owner == rank:
+            assert optimizer.state[param]["exp_avg"].shape == param.shape
+            continue
+        assert param not in optimizer.state and optimizer.state.get(param) is None
+        try:
+            optimizer.state[param]["exp_avg"]
+        except KeyError as error:
+            named = f"parameter {index} (shape {tuple(param.shape)}) is owned by rank {owner}"
+            assert named in str(error), error
+        else:
+            raise AssertionError(f"state[{index}] of rank {owner}'s parameter read on rank {rank}")
+
+
 def expect_error(fn: Callable[[], object], error: type[Exception], argument: str) -> None:
     try:
         fn()
@@ -508,6 +569,10 @@ CHECKS: dict[str, tuple[Callable[[Path], None], tuple[int, ...]]] = {
     "bad_input_fails_on_every_rank": (check_bad_input_fails_on_every_rank, (2, 3)),
     "reshard_between_two_and_three_ranks": (check_reshard_between_two_and_three_ranks, (3,)),
     "distributed_checkpoint_between_world_sizes": (check_distributed_checkpoint_between_world_sizes, (3,)),
+    "state_of_a_parameter_owned_elsewhere": (check_state_of_a_parameter_owned_elsewhere_names_its_owner,
+                                             (2, 3)),
+    "distributed_checkpoint_with_frozen_rank": (check_distributed_checkpoint_with_a_rank_of_frozen_parameters,
+                                                (2,)),
 }
 
 
@@ -524,6 +589,7 @@ def without_numpy(what: str) -> str | None:
 UNAVAILABLE: dict[str, str | None] = {
     "zero_redundancy_optimizer_interop": without_numpy("ZeroRedundancyOptimizer.consolidate_state_dict"),
     "distributed_checkpoint_between_world_sizes": without_numpy("torch.distributed.checkpoint"),
+    "distributed_checkpoint_with_frozen_rank": without_numpy("torch.distributed.checkpoint"),
 }
 
 

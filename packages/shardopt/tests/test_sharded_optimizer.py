@@ -107,3 +107,53 @@ def test_one_rank_with_named_parameters_matches_and_saves_like_torch(one_rank_gr
     assert torch.equal(loaded["exp_avg"], saved["exp_avg"])
     with pytest.raises(ValueError, match="^state_dict:"):
         optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
+
+
+def trained_state(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> dict:
+    optimizer = optimizer_cls(model.parameters(), **kwargs)
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    optimizer.step()
+    return optimizer.state_dict()
+
+
+@pytest.mark.parametrize(("foreign", "message"), [
+    # Another model with as many parameters: torch's AdamW loads it, then fails at the first step.
+    (lambda: trained_state(nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 2)), torch.optim.AdamW, lr=0.1),
+     r"^state_dict: state\[0\]\['exp_avg'\] has shape \(3, 5\) where AdamW keeps \(7, 5\) for parameter 0 "
+     r"of shape \(7, 5\): is it another model's"),
+    # Another optimizer's state for the same model (torch's AdamW: KeyError: 'step' at load).
+    (lambda: trained_state(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 2)), torch.optim.SGD, lr=0.1,
+                           momentum=0.9),
+     r"^state_dict: the state of parameter 0 holds \['momentum_buffer'\] where AdamW keeps \['exp_avg', "
+     r"'exp_avg_sq', 'step'\]: is it another optimizer's"),
+])
+def test_a_state_dict_that_does_not_fit_is_refused_at_load_not_at_step(one_rank_group, foreign, message):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 2))
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+    plain = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.1)
+    for p in plain.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises((RuntimeError, KeyError)):  # torch: a shape error at the first step, or KeyError
+        plain.load_state_dict(foreign())
+        plain.step()
+    with pytest.raises(ValueError, match=message):
+        optimizer.load_state_dict(foreign())
+    model(torch.randn(4, 5)).square().mean().backward()
+    optimizer.step()  # the optimizer is as it was
+
+
+@pytest.mark.parametrize(("optimizer_cls", "kwargs"), [
+    (torch.optim.AdamW, {"amsgrad": True}), (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}),
+    (torch.optim.Adagrad, {}), (torch.optim.SGD, {"momentum": 0.9}),
+    *([(torch.optim.Adafactor, {})] if hasattr(torch.optim, "Adafactor") else []),  # factored: (7, 1), (1, 5)
+])
+def test_a_state_dict_of_the_same_model_and_optimizer_loads(one_rank_group, optimizer_cls, kwargs):
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 2))
+    saved = trained_state(copy.deepcopy(model), optimizer_cls, lr=0.01, **kwargs)
+    optimizer = ShardedOptimizer(model.parameters(), optimizer_cls, lr=0.5)  # hyperparameters come with it
+    optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["lr"] == 0.01
+    assert all(torch.equal(optimizer.state[p][k], v) for p, (_, state) in zip(model.parameters(),
+               sorted(saved["state"].items()), strict=True) for k, v in state.items()
+               if isinstance(v, torch.Tensor))

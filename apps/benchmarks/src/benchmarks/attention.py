@@ -28,6 +28,7 @@ import profkit
 from benchmarks.common import (
     OOM,
     as_cell,
+    compile_backend,
     console,
     device,
     device_name,
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tf32", action="store_true", help="let fp32 matmuls use TF32")
     parser.add_argument("--variants", type=str_list(VARIANTS), default="eager,compiled",
                         help="eager and/or compiled, comma-separated")
-    parser.add_argument("--compile-backend", default="inductor",
+    parser.add_argument("--compile-backend", type=compile_backend, default="inductor",
                         help="torch.compile backend (aot_eager compiles fast on a CPU, for a quick check)")
     return parser
 

@@ -7,9 +7,16 @@ is written whole to a temporary file in its folder and then renamed over the old
 crash or a second run writing the same file never leaves a torn file: the old one stays, or the
 last complete one wins.
 
+A table with nothing measured in it (no rows, or cells that all say why they were not measured:
+:data:`NOT_MEASURED`) is never written: the earlier file stays, and the command exits 1.
+
 Arguments are checked by argparse before any work: the ``type=`` helpers below refuse empty
-lists and out-of-range numbers, and :func:`parse_args` makes sure ``--results-dir`` can be
-written. Either failure is one line on stderr and exit status 2.
+lists, out-of-range or non-finite numbers, file names that are not one and unknown torch.compile
+backends; :func:`parse_args` makes sure ``--results-dir`` can be written (:func:`check_writable`
+does the same for any output path) and :func:`require_gpus` that ``--device cuda`` has its GPUs.
+Each failure is one line on stderr and exit status 2.
+
+Running out of memory, a GPU's or the host's, is a cell reading OOM (:func:`or_oom`), not a traceback.
 """
 
 from __future__ import annotations
@@ -44,6 +51,14 @@ OOM = "OOM"
 UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
 DEFAULT_RESULTS_DIR = Path("out")  # untracked: running an experiment leaves a checkout clean
 NOISE = "(noise)"  # after a cell that the noise rule (within_noise) flags: "~0 (noise)", "31.9 (noise)"
+# Cells that say why a measurement was not made. OOM is not one of them: it is what the attempt found.
+NOT_AVAILABLE = "unsupported"  # not "n/a": pandas reads that back as NaN
+SKIPPED = "skipped"
+CAPTURE_FAILED = "capture failed"
+NOT_MEASURED = (NOT_AVAILABLE, SKIPPED, CAPTURE_FAILED)
+# How a RuntimeError says memory ran out: CUDA's allocator (also inside a worker's traceback), Triton's
+# shared memory, torch's CPU allocator.
+OOM_MESSAGES = ("out of memory", "OutOfResources", "DefaultCPUAllocator: can't allocate memory")
 
 
 def device() -> torch.device:
@@ -119,10 +134,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None,
     args = parser.parse_args(argv)
     args.command = " ".join([parser.prog, *map(shlex.quote, argv)])
     if writes_results and not args.no_save:
-        problem = unwritable(Path(args.results_dir))
-        if problem:
-            parser.error(f"--results-dir {args.results_dir}: {problem}")
+        check_writable(parser, "--results-dir", Path(args.results_dir), folder=True)
     return args
+
+
+def check_writable(parser: argparse.ArgumentParser, option: str, path: Path, folder: bool = False) -> None:
+    """The one-line error (exit 2) naming ``option`` where path cannot be written: a folder to write files in
+    (``folder``), else a file."""
+    problem = unwritable(path) if folder else unwritable_file(path)
+    if problem:
+        parser.error(f"{option} {path}: {problem}")
 
 
 def unwritable(folder: Path) -> str | None:
@@ -136,6 +157,13 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
+def unwritable_file(path: Path) -> str | None:
+    """Why a file cannot be written at path (its folder created if missing), or None if it can."""
+    if path.is_dir():
+        return "is a folder; name a file"
+    return unwritable(path.parent)
+
+
 class ResultsNotSaved(SystemExit):
     """A results file could not be written; the earlier file is left as it was. Exits with status 1."""
 
@@ -145,6 +173,30 @@ class ResultsNotSaved(SystemExit):
         self.path = path
 
 
+class NothingMeasured(SystemExit):
+    """A table with nothing measured in it was not written; the earlier file is left as it was. Exits 1."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"error: nothing was measured (no rows, or only cells reading "
+                         f"{', '.join(NOT_MEASURED)}): {path} not written; the earlier file, if any, "
+                         "is unchanged")
+        self.path = path
+
+
+def measured_nothing(df: pd.DataFrame) -> bool:
+    """Whether a table holds no measurement: no rows, or columns of :data:`NOT_MEASURED` cells (and blanks)
+    with not one value among them. Tables without such cells (configurations and numbers) hold one."""
+    if df.empty:
+        return True
+    cells = df.astype(object)
+    unmade = cells.isin(NOT_MEASURED)
+    examined = unmade.any()  # the columns that say "not measured" somewhere: the measurements' columns
+    if not examined.any():
+        return False
+    blank = cells.isna() | cells.eq("")
+    return bool((unmade | blank).loc[:, examined].all().all())
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace path by a file holding text, or leave it as it was: never a part-written path.
 
@@ -152,7 +204,17 @@ def write_atomically(path: Path, text: str) -> None:
     system), is flushed to the disk, and is renamed over path; two writers each rename a
     complete file of their own, and the last one wins.
     """
-    os.replace(_staged(path, text), path)
+    _replace(_staged(path, text), path)
+
+
+def _replace(tmp: str, path: Path) -> None:
+    """os.replace(tmp, path); tmp removed if that fails (path a folder, say)."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _staged(path: Path, text: str) -> str:
@@ -188,13 +250,16 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
     Both files are written atomically (:func:`write_atomically`), and neither replaces its old
     one until both are complete on the disk. If either cannot be written (a full disk, say),
     :class:`ResultsNotSaved` exits the command with status 1 and a one-line message, leaving the
-    earlier files whole.
+    earlier files whole; a table with nothing measured (:func:`measured_nothing`) is not written
+    either, and :class:`NothingMeasured` exits 1 likewise.
     """
     if args.no_save:
         return None
     meta = {**run_metadata(args.command), **(metadata or {})}
     folder = Path(args.results_dir) / device_slug(meta["device"])
     csv_path = folder / f"{name}.csv"
+    if measured_nothing(df):
+        raise NothingMeasured(csv_path)
     csv_text = io.StringIO()
     for key, value in meta.items():
         csv_text.write(f"# {key}: {value}\n")
@@ -210,8 +275,13 @@ def save_results(df: pd.DataFrame, name: str, args: argparse.Namespace,
             for tmp, _ in staged:
                 os.unlink(tmp)
             raise ResultsNotSaved(path, exc) from exc
-    for tmp, path in staged:
-        os.replace(tmp, path)
+    for i, (tmp, path) in enumerate(staged):
+        try:
+            _replace(tmp, path)
+        except OSError as exc:
+            for later, _ in staged[i + 1:]:
+                os.unlink(later)
+            raise ResultsNotSaved(path, exc) from exc
     console.print(f"[dim]wrote {csv_path} and {csv_path.with_suffix('.md').name}[/dim]")
     return csv_path
 
@@ -423,19 +493,21 @@ def column_parts(cells: dict[str, list[str]], width: int,
 
 
 def is_oom(exc: BaseException) -> bool:
-    """Whether exc, or an error it wraps (torch.compile wraps the real one), ran out of device memory."""
+    """Whether exc, or an error it wraps (torch.compile wraps the real one), ran out of memory: a GPU's
+    (torch.OutOfMemoryError, Triton's OutOfResources) or the host's (torch's CPU allocator, MemoryError)."""
     seen: BaseException | None = exc
     while seen is not None:
         text = str(seen)
-        if isinstance(seen, torch.OutOfMemoryError) or (
-                isinstance(seen, RuntimeError) and ("out of memory" in text or "OutOfResources" in text)):
+        if isinstance(seen, (torch.OutOfMemoryError, MemoryError)) or (
+                isinstance(seen, RuntimeError) and any(sign in text for sign in OOM_MESSAGES)):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
 
 
 def or_oom(fn: Callable[[], T]) -> T | str:
-    """fn(), or the cell 'OOM' if it ran out of device memory (memory is freed before returning)."""
+    """fn(), or the cell 'OOM' if it ran out of memory, a device's or the host's (:func:`is_oom`; memory is
+    freed before returning)."""
     try:
         return fn()
     except Exception as exc:
@@ -483,10 +555,18 @@ def choose_device(parser: argparse.ArgumentParser, args: argparse.Namespace, wor
         args.device = "cuda" if 0 < workers <= gpus else "cpu"
         if 0 < gpus < workers:
             console.print(f"[yellow]{gpus} GPU(s) for {workers} workers: running {workers} CPU processes")
-    elif args.device == "cuda" and gpus < workers:
-        parser.error(f"--device cuda needs a GPU per worker ({workers}); this machine has {gpus}")
+    elif args.device == "cuda":
+        require_gpus(parser, workers)
     args.backend = "nccl" if args.device == "cuda" else "gloo"
     return args.device == "cuda"
+
+
+def require_gpus(parser: argparse.ArgumentParser, needed: int) -> None:
+    """The one-line error of --device cuda where this machine has fewer than ``needed`` CUDA GPUs."""
+    gpus = torch.cuda.device_count()
+    if gpus < needed:
+        what = "a CUDA GPU" if needed == 1 else f"a GPU per worker ({needed})"
+        parser.error(f"--device cuda needs {what}; this machine has {gpus}")
 
 
 def progress() -> Progress:
@@ -560,6 +640,29 @@ def float_list(text: str) -> list[float]:
     if bad:
         raise argparse.ArgumentTypeError(f"every value must be at least 0, got {', '.join(map(str, bad))}")
     return values
+
+
+def results_name(text: str) -> str:
+    """argparse type for a results file's name (``--name``): letters, digits, '.', '_' and '-', not starting
+    with '.' (no path, no hidden file, never empty: '' would fall back to the default name and replace it)."""
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]*", text):
+        raise argparse.ArgumentTypeError("expected a file name of letters, digits, '.', '_' and '-' "
+                                         f"(no folder, not starting with '.'), got {text!r}")
+    return text
+
+
+def compile_backend(text: str) -> str:
+    """argparse type for torch.compile's ``backend=``: a name torch._dynamo has registered (debug ones too),
+    checked before any model is built."""
+    if text == "inductor":  # torch.compile's default is always there: no need to import dynamo to know
+        return text
+    from torch._dynamo import list_backends
+
+    if text not in list_backends(exclude_tags=()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch.compile backend (torch._dynamo."
+                                         f"list_backends(): {', '.join(list_backends())}; debug ones such as "
+                                         "eager and aot_eager too)")
+    return text
 
 
 def str_list(choices: Iterable[str]) -> Callable[[str], list[str]]:

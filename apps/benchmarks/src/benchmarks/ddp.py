@@ -3,15 +3,19 @@
 Trains the reference Transformer LM with AdamW on random tokens, data-parallel over ``--nproc``
 ranks, each rank with the same per-GPU batch. Every configuration is a freshly built model
 (same seed), warmed up, then timed step by step with the device synchronized after each step; a
-step's time is the slowest rank's. Reported per configuration, mean and standard deviation:
+step's time is the slowest rank's. Reported per configuration:
 
-- step: forward + backward (which returns with the gradients averaged) + optimizer step.
-- exposed comm: step time minus the single-GPU step time, i.e. the communication (and its
-  bookkeeping) not hidden behind backward; its std combines both steps' (sqrt(s_step^2 + s_single^2)).
-- overhead: the same from the medians (robust to the odd slow step), and ``/ torch``: that
-  overhead over torch DDP's at the same bucket size in the same run. With ``--nproc 1`` no byte
-  moves, so the overhead is each wrapper's own host and bookkeeping cost.
-- x single: step time / single-GPU step time.
+- step: forward + backward (which returns with the gradients averaged) + optimizer step, mean and
+  standard deviation; x single: step time / single-GPU step time; x torch: step time / torch DDP's
+  at the same bucket size in the same run.
+- From ``--trace-steps`` more steps traced with ``profkit.trace`` on every rank and read by
+  ``profkit.analyze_comm`` (per step, mean over the ranks): compute (kernels, or CPU operators on
+  CPU), comm (the collectives: NCCL kernels, or gloo's all-reduces on its threads), exposed comm
+  (the time a collective runs while no compute does), overlap % (100 * (1 - exposed / comm)),
+  wait (the time a rank's collectives wait for the last rank to arrive), bus bandwidth as
+  nccl-tests counts it, and the straggler (the rank the others waited for). These are read off the
+  timeline, not taken as differences of step times, so they cannot be negative. ``--trace-dir``
+  keeps the traces (open them in https://ui.perfetto.dev).
 
 The single-GPU reference ("single") runs the same model, batch and optimizer with no wrapper, on
 every rank at once (so CPU runs share the cores the same way as the distributed ones). ``torch``
@@ -24,17 +28,17 @@ Spawns one worker per GPU (``--nproc 1``: one GPU alone, NCCL with world size 1)
 processes with gloo, or runs under torchrun unchanged:
     python -m benchmarks.ddp --nproc 1 --strategy bucketed,torch --size xl --precision bf16
     torchrun --nproc-per-node 2 -m benchmarks.ddp --strategy bucketed,torch
+With ``--nproc 1`` no byte moves: NCCL with one rank copies at most, so the comm is that copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -61,11 +65,14 @@ from benchmarks.common import (
     within_noise,
 )
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
+from benchmarks.overlap import trace_comm
 from minddp import make_ddp
 from minddp.launch import default_nproc, launch, tensor_device
+from profkit.timing import Phase
 
+# enough steps on CPU for a spread to compare with
 TOUR_ARGS = ["--strategy", "all", "--size", "tiny", "--batch", "2", "--context", "32",
-             "--warmup", "2", "--steps", "8"]  # enough steps on CPU for a spread to compare with
+             "--warmup", "2", "--steps", "8", "--trace-steps", "2"]
 STRATEGIES = ["naive", "flat", "overlap", "bucketed", "torch"]
 BUCKET_SIZED = ("bucketed", "torch")  # one row per --bucket-mb
 SINGLE = "single"
@@ -81,6 +88,8 @@ class Setup:
     warmup: int
     steps: int
     runs: tuple[tuple[str, float | None], ...]  # (strategy, bucket MiB or None), in order
+    trace_steps: int = 2
+    trace_dir: str | None = None
 
 
 @dataclass
@@ -88,6 +97,7 @@ class StepTimes:
     step_ms: list[float]
     peak_gib: float
     buckets: float  # gradient all-reduces per step of the minddp strategies; NaN otherwise
+    comm: dict[str, Any] = field(default_factory=dict)  # benchmarks.overlap.metrics, from traces
 
 
 class _Clock:
@@ -126,8 +136,13 @@ def wrap(model: nn.Module, strategy: str, bucket_mb: float | None, device: torch
     return make_ddp(strategy, model, **kwargs)
 
 
-def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device: torch.device) -> StepTimes:
-    """Build, wrap and train a fresh model; each rank's own step and finish times."""
+def _unmarked(name: str) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
+
+
+def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device: torch.device,
+                   label: str) -> StepTimes:
+    """Build, wrap and train a fresh model: each rank's own step times, then its traced steps."""
     free_device_memory()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -142,25 +157,30 @@ def train_and_time(setup: Setup, strategy: str, bucket_mb: float | None, device:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if setup.precision == "bf16"
                 else contextlib.nullcontext())
     clock = _Clock(device)
-    step_ms: list[float] = []
-    for step in range(setup.warmup + setup.steps):
+
+    def train_step(phase: Phase) -> None:
         tokens = random_batch(cfg, setup.batch, setup.context, device, generator)
         targets = random_batch(cfg, setup.batch, setup.context, device, generator)
-        start = clock.now()
-        with autocast:
+        with phase("forward"), autocast:
             logits = ddp(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()  # returns with the gradients averaged
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase("backward"):
+            loss.backward()  # returns with the gradients averaged
+        with phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    step_ms: list[float] = []
+    for step in range(setup.warmup + setup.steps):
+        start = clock.now()
+        train_step(_unmarked)
         end = clock.now()
         clock.synchronize()
         if step >= setup.warmup:
             step_ms.append(clock.ms(start, end))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
-    del ddp, model, optimizer
-    gc.collect()
-    return StepTimes(step_ms, peak, buckets)
+    comm = trace_comm(train_step, label, setup.trace_steps, setup.trace_dir) if setup.trace_steps else {}
+    return StepTimes(step_ms, peak, buckets, comm)
 
 
 def slowest_rank(values: list[float], device: torch.device) -> list[float]:
@@ -183,89 +203,92 @@ def benchmark(setup: Setup, backend: str) -> list[dict[str, object]]:
     device = tensor_device(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = []
-    single_mean = single_std = single_median = math.nan
+    single_mean = math.nan
     for strategy, bucket_mb in ((SINGLE, None), *setup.runs):
-        times = train_and_time(setup, strategy, bucket_mb, device)
+        label = f"{strategy} {bucket_mb:g} MiB" if bucket_mb is not None else strategy
+        times = train_and_time(setup, strategy, bucket_mb, device, label)
         step_ms = slowest_rank(times.step_ms, device)
         peak = max(slowest_rank([times.peak_gib], device)) if device.type == "cuda" else math.nan
         step_mean, step_std = mean_std(step_ms)
-        step_median = statistics.median(step_ms)
         if strategy == SINGLE:
-            single_mean, single_std, single_median = step_mean, step_std, step_median
-        label = f"{strategy} {bucket_mb:g} MiB" if bucket_mb is not None else strategy
+            single_mean = step_mean
         rows.append({
             "strategy": strategy,
             "bucket MiB": bucket_mb if bucket_mb is not None else math.nan,
             "ranks": 1 if strategy == SINGLE else world_size,
             "buckets": times.buckets,
-            "step ms": step_mean, "step std": step_std, "step median ms": step_median,
-            "exposed comm ms": step_mean - single_mean if strategy != SINGLE else 0.0,
-            "exposed std": math.hypot(step_std, single_std) if strategy != SINGLE else 0.0,
-            "overhead ms": step_median - single_median,
+            "step ms": step_mean, "step std": step_std, "step median ms": statistics.median(step_ms),
             "x single": step_mean / single_mean,
+            **times.comm,
             "peak GiB": peak,
         })
         if rank == 0:
             console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ("
-                          + against_single(rows[-1], noise_against_single(rows)[-1], single_mean) + ")")
+                          + against_single(rows[-1], noise_against_single(rows)[-1], single_mean)
+                          + comm_summary(times.comm) + ")")
     return with_torch_ratio(rows)
 
 
 def noise_against_single(rows: list[dict[str, Any]]) -> list[bool]:
     """Per row, whether what it adds to one device's step ("single") is noise by the rule every table
-    applies (:func:`within_noise`): the difference of the mean step times, and the overhead from the
-    medians where a row has one, against the spread of that difference (sqrt(std^2 + std_single^2)).
-    Such a row's differences and ratios are not findings; the single row is the reference, never noise."""
+    applies (:func:`within_noise`): the difference of the mean step times against the spread of that
+    difference (sqrt(std^2 + std_single^2)); a row's ratio to one device is then not a finding. The
+    single row is the reference, never noise."""
     single = next((r for r in rows if r["strategy"] == SINGLE), None)
+    if single is None:
+        return [False] * len(rows)
+    return [row["strategy"] != SINGLE and within_noise(
+        float(row["step ms"]) - float(single["step ms"]), math.hypot(float(row["step std"]),
+                                                                     float(single["step std"])))
+        for row in rows]
+
+
+def noise_against_torch(rows: list[dict[str, Any]]) -> list[bool]:
+    """Per row, whether its step time and torch DDP's (at the same bucket size, as "x torch" pairs them)
+    differ by less than the spread of their difference: a signed comparison, so its size is tested."""
+    torch_rows = [r for r in rows if r["strategy"] == "torch"]
     flags = []
     for row in rows:
-        if single is None or row["strategy"] == SINGLE:
-            flags.append(False)
-            continue
-        spread = math.hypot(float(row["step std"]), float(single["step std"]))
-        added = [float(row["step ms"]) - float(single["step ms"]), float(row.get("overhead ms", math.nan))]
-        flags.append(any(within_noise(difference, spread) for difference in added))  # NaN: not measured
+        same_size = [r for r in torch_rows if r["bucket MiB"] == row["bucket MiB"]] or torch_rows
+        flags.append(bool(same_size) and row["strategy"] not in (SINGLE, "torch") and within_noise(
+            abs(float(row["step ms"]) - float(same_size[0]["step ms"])),
+            math.hypot(float(row["step std"]), float(same_size[0]["step std"]))))
     return flags
 
 
 def against_single(row: dict[str, Any], noise: bool, single_mean: float) -> str:
-    """'1.472x single, overhead +7.36 ms', or '~1x single, overhead ~0 (noise)' where ``noise``."""
+    """'1.472x single', or '~1x single (noise)' where ``noise``; 'the reference' for one device."""
     if row["strategy"] == SINGLE:
         return "the reference"
-    if noise:
-        return f"~1x single, overhead ~0 {NOISE}"
-    return f"{float(row['step ms']) / single_mean:.3f}x single, overhead {float(row['overhead ms']):+.2f} ms"
+    return f"~1x single {NOISE}" if noise else f"{float(row['step ms']) / single_mean:.3f}x single"
+
+
+def shown_with_noise(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The table as printed: ratios to one device or to torch DDP that are noise read '~1 (noise)'."""
+    df = pd.DataFrame(rows)
+    shown = with_noise_marked(df, noise_against_single(rows), ["x single"], {"x single": "~1"})
+    marked = with_noise_marked(df, noise_against_torch(rows), ["x torch"], {"x torch": "~1"})
+    if "x torch" in df:
+        shown["x torch"] = marked["x torch"]
+    return shown
+
+
+def comm_summary(comm: dict[str, Any]) -> str:
+    """', exposed comm 1.2 of 3.4 ms, overlap 65%' from the traced columns ('' when not traced)."""
+    if not comm or not comm.get("comm ms"):
+        return ""
+    return (f", exposed comm {comm['exposed comm ms']:.3g} of {comm['comm ms']:.3g} ms, "
+            f"overlap {comm['overlap %']:.0f}%")
 
 
 def with_torch_ratio(rows: list[dict[str, object]]) -> list[dict[str, object]]:
-    """Add "/ torch": each row's overhead over torch DDP's, at the same bucket size where torch ran one."""
+    """Add "x torch": each row's step time over torch DDP's, at the same bucket size where torch ran one."""
     torch_rows = [r for r in rows if r["strategy"] == "torch"]
     for row in rows:
         same_size = [r for r in torch_rows if r["bucket MiB"] == row["bucket MiB"]] or torch_rows
-        row["/ torch"] = (row["overhead ms"] / same_size[0]["overhead ms"]
+        row["x torch"] = (row["step ms"] / same_size[0]["step ms"]
                           if same_size and row["strategy"] != SINGLE else math.nan)
     return rows
-
-
-def print_overheads(df: pd.DataFrame) -> None:
-    """Each wrapper's overhead over the bare model, beside torch DDP's from the same run."""
-    console.print("Overhead over the bare model (median step minus one device's):")
-    rows = df.to_dict("records")
-    noisy = noise_against_single(rows)
-    torch_noise = any(flag for row, flag in zip(rows, noisy, strict=True) if row["strategy"] == "torch")
-    for row, noise in zip(rows, noisy, strict=True):
-        if row["strategy"] == SINGLE:
-            continue
-        size = "" if math.isnan(row["bucket MiB"]) else f" {row['bucket MiB']:g} MiB"
-        if noise:
-            spread = f"±{row['exposed std']:.2f} ms"
-            console.print(f"  {row['strategy'] + size:<22} overhead ~0 {NOISE}, spread {spread}")
-            continue
-        ratio = ("" if math.isnan(row["/ torch"]) else ", no ratio: torch DDP's is noise"
-                 if torch_noise else f" = {row['/ torch']:.2f}x torch DDP's")
-        console.print(f"  {row['strategy'] + size:<22} overhead {row['overhead ms']:+8.2f} ms{ratio}")
-    if not (df["strategy"] == "torch").any():
-        console.print("  (no torch row: add 'torch' to --strategy for the ratios)")
 
 
 def runs_from(strategies: list[str], bucket_mbs: list[float]) -> tuple[tuple[str, float | None], ...]:
@@ -301,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
                              "1: one GPU alone, where the overhead is the wrappers' own host cost")
     parser.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps per configuration")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per configuration")
+    parser.add_argument("--trace-steps", type=nonnegative_int, default=2,
+                        help="steps traced per configuration after the timed ones, for communication, "
+                             "exposed communication and overlap (0: no traces)")
+    parser.add_argument("--trace-dir", type=str, default=None,
+                        help="keep the traces here (<strategy>_rank<r>.json.gz, for Perfetto); default: "
+                             "analysed and deleted")
     parser.add_argument("--timeout", type=positive_float, default=1800,
                         help="seconds before the workers are killed")
     args = parse_args(parser, argv)
@@ -314,22 +343,15 @@ def main(argv: list[str] | None = None) -> None:
                      (" (no GPU found: use --backend gloo)" if args.backend == "nccl" else ""))
 
     setup = Setup(args.size, args.attention, args.precision, args.batch, args.context, args.warmup,
-                  args.steps, runs_from(args.strategy, args.bucket_mb))
+                  args.steps, runs_from(args.strategy, args.bucket_mb), args.trace_steps, args.trace_dir)
     console.print(f"[bold]{args.size} model, {args.precision}, batch {args.batch}x{args.context} per rank, "
                   f"{nproc} {args.backend} ranks[/bold]")
     rows = launch(benchmark, nproc, args.backend, args=(setup, args.backend), timeout_s=args.timeout)
     if rows is None:  # a torchrun rank other than 0
         return
     df = pd.DataFrame(rows)
-    near = {"exposed comm ms": "~0", "overhead ms": "~0", "x single": "~1"}
-    noisy = noise_against_single(rows)
-    torch_noise = any(flag for row, flag in zip(rows, noisy, strict=True) if row["strategy"] == "torch")
-    shown = with_noise_marked(df, noisy, near, near)
-    shown["/ torch"] = with_noise_marked(df, [flag or torch_noise for flag in noisy], ["/ torch"])["/ torch"]
-    print_table(shown,
-                f"DDP step time, {args.size} {args.precision}, {args.batch}x{args.context} per rank, "
-                f"{nproc} ranks ({args.backend})")
-    print_overheads(df)
+    print_table(shown_with_noise(rows), f"DDP step time and communication, {args.size} {args.precision}, "
+                    f"{args.batch}x{args.context} per rank, {nproc} ranks ({args.backend})")
     save_results(df, "ddp", args, metadata={"ranks": str(nproc), "backend": args.backend,
                                             "model": args.size, "precision": args.precision,
                                             "per-rank batch": f"{args.batch}x{args.context}"})

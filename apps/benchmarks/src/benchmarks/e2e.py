@@ -36,6 +36,8 @@ import profkit
 from benchmarks.common import (
     OOM,
     as_cell,
+    check_writable,
+    compile_backend,
     console,
     device,
     device_name,
@@ -49,6 +51,7 @@ from benchmarks.common import (
     positive_int,
     print_table,
     progress,
+    results_name,
     save_results,
     str_list,
 )
@@ -262,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention", type=str_list(ATTENTION), default="naive",
                         help=f"attention implementations, comma-separated ({', '.join(ATTENTION)})")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    parser.add_argument("--compile-backend", type=compile_backend, default="inductor",
+                        help="torch.compile backend")
     parser.add_argument("--batch-size", type=positive_int, default=BATCH_SIZE, help="sequences per step")
     parser.add_argument("--vocab-size", type=positive_int, default=10_000, help="vocabulary size")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and the random batch")
@@ -278,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA only: record the allocator history of fresh steps to FILE (a pickle), "
                              "draw FILE with suffix .png and save the per-phase peak table")
     parser.add_argument("--memory-steps", type=positive_int, default=3, help="steps recorded by --memory")
-    parser.add_argument("--name", default=None, help="results file name (default: e2e_<mode>)")
+    parser.add_argument("--name", type=results_name, default=None,
+                        help="results file name (default: e2e_<mode>)")
     return parser
 
 
@@ -316,6 +321,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--context: {bad} must be positive")
     if args.memory is not None and args.memory.suffix == ".png":
         parser.error("--memory FILE is the snapshot pickle; the PNG is written beside it")
+    if args.memory is not None:
+        check_writable(parser, "--memory", args.memory)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,10 @@ import torch.nn.functional as F
 from rich.markup import escape
 
 from benchmarks.common import (
+    CAPTURE_FAILED,
+    NOT_AVAILABLE,
     OOM,
+    SKIPPED,
     as_cell,
     console,
     device,
@@ -60,6 +63,8 @@ from benchmarks.common import (
     positive_int,
     print_table,
     progress,
+    require_gpus,
+    results_name,
     save_results,
     str_list,
     with_noise_marked,
@@ -71,9 +76,6 @@ IMPLS = ["triton", "torch", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient
 PASSES = ["fwd", "bwd", "fwd+bwd"]
 BASELINES = {"flash": "sdpa-flash", "cudnn": "sdpa-cudnn", "efficient": "sdpa-efficient"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-NOT_AVAILABLE = "unsupported"  # not "n/a": pandas reads that back as NaN
-SKIPPED = "skipped"
-CAPTURE_FAILED = "capture failed"
 TOUR_ARGS = ["--quick"]
 
 # --quick: a short run that still says something; bigger on a GPU.
@@ -481,9 +483,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--rep", type=positive_float, default=50.0, help="do_bench measuring time, ms")
     parser.add_argument("--geomean-min-seq", type=positive_int, default=1024,
                         help="geometric means over T >= this")
-    parser.add_argument("--name", default="flash", help="results file name (for runs of different sweeps)")
+    parser.add_argument("--name", type=results_name, default="flash",
+                        help="results file name (for runs of different sweeps)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda where there is one")
-    parser.add_argument("--max-minutes", type=nonnegative_float, default=None,
+    parser.add_argument("--max-minutes", type=positive_float, default=None,
                         help="start no cell after this long; the cells left read 'skipped'")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time each pass as the replay of a CUDA graph captured after a warm-up "
@@ -496,6 +499,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help=f"time flash_attention's features against PyTorch's best instead of the sweep "
                         f"({', '.join(FEATURES)}; bfloat16 unless --dtypes says otherwise)")
     args = parse_args(parser, argv)
+    if args.device == "cuda":
+        require_gpus(parser, 1)
     dev = torch.device(args.device) if args.device else device()
     if args.cuda_graphs and dev.type != "cuda":
         parser.error(f"--cuda-graphs captures CUDA graphs and needs a CUDA device, not {dev.type}")

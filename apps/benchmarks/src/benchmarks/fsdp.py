@@ -6,20 +6,22 @@ compute and with bf16 compute, each on a freshly built model:
   minddp-bucketed  minddp.BucketedDDP (bf16: autocast)
   torch-fsdp2      torch.distributed.fsdp.fully_shard on every block and the root
                    (bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32))
-  minddp-fsdp      minddp.FSDP (bf16: compute_dtype=torch.bfloat16)
+  minddp-fsdp      minddp.fully_shard, called exactly as torch's (the same code, the other import)
 
 Memory per rank (the largest over the ranks), measured after a training step: the parameters,
-gradients and optimizer state this rank holds (sizes of its local tensors: DTensor shards for
-FSDP2, flat shards for minddp.FSDP) and, on CUDA, the peak allocated during the step and other =
-peak - those three. Beside it, the memory model: P parameters of 4 bytes held whole by DDP, 1/N
-of them (plus padding, plus the vectors minddp keeps whole) by FSDP, the same for gradients, 2x
+gradients and optimizer state this rank holds (sizes of its local tensors: DTensor shards under
+both FSDPs) and, on CUDA, the peak allocated during the step and other = peak - those three.
+Beside it, the memory model: P parameters of 4 bytes held whole by DDP, 1/N of them (plus
+padding) by FSDP, the same for gradients, 2x
 that for AdamW's state; FSDP also holds the gathered units while they run (the root: embedding,
 LM head, final norm, plus two blocks, the running one and the prefetched one, in the compute
 dtype); activations (float32: benchmarks.checkpointing's model for naive attention; not
 modelled for bf16).
 
 Time per iteration (forward, backward, gradient synchronization, optimizer step), device
-synchronized, mean over --iters, the slowest rank's.
+synchronized, mean over --iters, the slowest rank's. Communication per iteration, the part of it
+no compute runs beside (exposed) and the overlap %, from --trace-steps more iterations traced on
+every rank (benchmarks.overlap).
 
 Runs on the GPUs (NCCL) when there is one per worker (small model), else on 2 CPU processes
 (gloo, tiny model). Spawns its workers itself (minddp.launch), or runs under torchrun:
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import minddp
 from benchmarks.checkpointing import predicted_activation_bytes
 from benchmarks.common import (
     add_device_arg,
@@ -49,7 +52,6 @@ from benchmarks.common import (
     console,
     device_name,
     free_device_memory,
-    held_bytes,
     make_parser,
     nonnegative_int,
     parse_args,
@@ -60,16 +62,18 @@ from benchmarks.common import (
     str_list,
 )
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
-from minddp import FSDP, BucketedDDP
+from benchmarks.overlap import trace_comm
+from minddp import BucketedDDP
 from minddp.launch import launch, tensor_device, under_torchrun
-from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps
+from profkit import PhaseClock, memory_breakdown, read_peak_memory, reset_peak_memory, run_steps
 from profkit.timing import total_mean
 
-TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1"]
+TOUR_ARGS: list[str] = ["--warmup", "0", "--iters", "1", "--trace-steps", "1"]
 MB = 1e6
 STRATEGIES = ["torch-ddp", "minddp-bucketed", "torch-fsdp2", "minddp-fsdp"]
 COMPUTE = {"fp32": None, "bf16": torch.bfloat16}
 SHARDED = {"torch-fsdp2", "minddp-fsdp"}
+TRACED = {"comm ms": "comm_ms", "exposed comm ms": "exposed_comm_ms", "overlap %": "overlap_pct"}
 
 
 def wrap(strategy: str, model: TransformerLM, compute: torch.dtype | None, where: torch.device) -> nn.Module:
@@ -77,16 +81,15 @@ def wrap(strategy: str, model: TransformerLM, compute: torch.dtype | None, where
         return DistributedDataParallel(model, device_ids=[where.index] if where.type == "cuda" else None)
     if strategy == "minddp-bucketed":
         return BucketedDDP(model)
-    if strategy == "minddp-fsdp":
-        return FSDP(model, compute_dtype=compute)
+    import torch.distributed.fsdp as torch_fsdp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    lib: Any = minddp if strategy == "minddp-fsdp" else torch_fsdp  # the same names: only the import differs
     mesh = init_device_mesh(where.type, (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+    policy = lib.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        lib.fully_shard(block, mesh=mesh, mp_policy=policy)
+    lib.fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -115,9 +118,6 @@ class Workload:
         with autocast:
             logits = self.wrapped(tokens[:, :-1])
         F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        finish = getattr(self.wrapped, "finish_gradient_synchronization", None)
-        if finish is not None:
-            finish()
 
     def step(self, phase: Callable[[str], Any]) -> None:
         with phase("iteration"):
@@ -125,11 +125,8 @@ class Workload:
             self.optimizer.step()
 
     def held(self) -> dict[str, float]:
-        params = list(self.wrapped.parameters())
-        state = (t for s in self.optimizer.state.values() for t in s.values())
-        return {"parameters": held_bytes(params, self.where),
-                "gradients": held_bytes((p.grad for p in params), self.where),
-                "optimizer state": held_bytes(state, self.where)}
+        held = memory_breakdown(model=self.wrapped, optimizer=self.optimizer).bytes
+        return {name: held[name] for name in ("parameters", "gradients", "optimizer state")}
 
 
 def measure(strategy: str, compute: str, cfg: ModelConfig, args: argparse.Namespace, where: torch.device,
@@ -138,12 +135,14 @@ def measure(strategy: str, compute: str, cfg: ModelConfig, args: argparse.Namesp
     work = Workload(strategy, compute, cfg, args, where, rank)
     clock = PhaseClock(where)
     run_steps(work.step, args.warmup, args.iters, clock)
+    traced = args.trace_steps > 0
+    comm = trace_comm(work.step, f"{strategy} {compute}", args.trace_steps, args.trace_dir) if traced else {}
     reset_peak_memory(where)
     work.forward_backward()
     work.optimizer.step()
     peak = read_peak_memory(where)
     record = {**work.held(), "peak": float(peak.allocated) if peak else math.nan,
-              "iteration_s": total_mean(clock.timings())}
+              "iteration_s": total_mean(clock.timings()), "comm": comm}
     del work
     free_device_memory()
     return record
@@ -157,12 +156,10 @@ def memory_model(strategy: str, compute: str, cfg: ModelConfig, args: argparse.N
     with torch.device("meta"):
         model = TransformerLM(cfg)
     total = sum(p.numel() for p in model.parameters())
-    vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)
     block = sum(p.numel() for p in model.blocks[0].parameters())
     root = total - cfg.num_layers * block
     sharded = strategy in SHARDED
-    kept_whole = vectors if strategy == "minddp-fsdp" else 0  # minddp keeps 1-D parameters whole
-    held = 4 * ((total - kept_whole) / world_size + kept_whole) if sharded else 4 * total
+    held = 4 * total / world_size if sharded else 4 * total
     compute_bytes = 2 if COMPUTE[compute] is not None else 4
     gathered = compute_bytes * (root + 2 * block) if sharded else 0  # a copy even at one rank
     activations = (predicted_activation_bytes(cfg, "none", 2, args.batch_size, args.context_length)
@@ -187,6 +184,8 @@ def tables(per_rank: list[dict[tuple[str, str], dict[str, Any]]], cfg: ModelConf
                "model_optimizer_MB": predicted["optimizer state"] / MB,
                "model_gathered_MB": predicted["gathered"] / MB,
                "model_activations_MB": predicted["activations"] / MB}
+        comm = per_rank[0][key].get("comm", {})
+        row |= {column: comm.get(name, math.nan) for name, column in TRACED.items()}
         if on_cuda:
             held = worst["parameters"] + worst["gradients"] + worst["optimizer state"]
             row |= {"peak_MB": worst["peak"] / MB, "other_MB": (worst["peak"] - held) / MB}
@@ -234,6 +233,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="naive",
                         help="attention function (the activation model covers naive)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model; each rank's data adds its rank")
+    parser.add_argument("--trace-steps", type=nonnegative_int, default=2,
+                        help="iterations traced per case for communication and overlap (0: none)")
+    parser.add_argument("--trace-dir", type=str, default=None,
+                        help="keep the traces here (for Perfetto); default: analysed and deleted")
     parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)

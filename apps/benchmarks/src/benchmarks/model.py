@@ -34,10 +34,19 @@ class ModelConfig:
     vocab_size: int = 10_000
     context_length: int = 256
     rope_theta: float = 10_000.0
+    # Grouped-query attention: K/V heads (0: num_heads). With them the attention is laid out as
+    # HuggingFace's Llama lays it out: separate q, k, v projections viewed (B, T, H, d) and transposed.
+    num_kv_heads: int = 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
             raise ValueError(f"head dim {self.d_model // self.num_heads} must be even for RoPE")
 
@@ -50,6 +59,8 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
     "xl": ModelConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    # A Llama-style model (issue 40): 16 query heads, 4 K/V heads of d = 128, HuggingFace's layout.
+    "llama-8L": ModelConfig(d_model=2048, d_ff=5632, num_layers=8, num_heads=16, num_kv_heads=4),
 }
 ASSIGNMENT_SIZES = ["small", "medium", "large", "xl", "2.7B"]
 
@@ -79,23 +90,47 @@ def attention_weighted_sum(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head repeated for its query heads
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return attention_weighted_sum(attention_softmax(attention_scores(q, k)), v)
 
 
+def causal_mask(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The (B, 1, Tq, Tk) bool causal mask, as transformers materializes it while torch.compile traces."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril()
+    return mask[None, None].expand(q.shape[0], 1, t_q, t_k)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def sdpa_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(q, k),
+                                          enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     from flashattn_triton import flash_attention as flash
 
-    return flash(q, k, v, is_causal=True)
+    return flash(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def flash_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from flashattn_triton import flash_attention as flash
+
+    return flash(q, k, v, attn_mask=causal_mask(q, k), enable_gqa=k.shape[1] != q.shape[1])
+
+
+# Grouped-query attention (fewer K/V heads) goes through each function's enable_gqa. The "-mask" variants
+# pass the causal mask as a tensor, as transformers does under torch.compile.
 ATTENTION: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
     "flash": flash_attention,
+    "sdpa-mask": sdpa_masked_attention,
+    "flash-mask": flash_masked_attention,
 }
 
 
@@ -136,8 +171,14 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r} is not one of {', '.join(ATTENTION)}")
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.num_heads, self.kv_heads = cfg.num_heads, cfg.kv_heads
+        head_dim = cfg.d_model // cfg.num_heads
+        if cfg.num_kv_heads:  # HuggingFace's Llama layout
+            self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+            self.k_proj = nn.Linear(cfg.d_model, self.kv_heads * head_dim, bias=False)
+            self.v_proj = nn.Linear(cfg.d_model, self.kv_heads * head_dim, bias=False)
+        else:
+            self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope = RotaryEmbedding(cfg.d_model // cfg.num_heads, cfg.context_length, cfg.rope_theta)
         self.attend = ATTENTION[attention]
@@ -145,7 +186,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self.projections(x)
         q, k = self.rope(q), self.rope(k)
         if self.recompute_core:
             # v made contiguous: a view would keep the whole qkv projection alive as the checkpoint's input.
@@ -153,6 +194,16 @@ class CausalSelfAttention(nn.Module):
         else:
             y = self.attend(q, k, v)  # (B, H, T, d_head)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, d), k and v (B, Hkv, T, d): views of the projections, fused (one (B, T, 3, H, d)
+        permuted) or HuggingFace's (each (B, T, H, d) transposed)."""
+        b, t, d = x.shape
+        head_dim = d // self.num_heads
+        if self.kv_heads == self.num_heads and hasattr(self, "qkv"):
+            return self.qkv(x).view(b, t, 3, self.num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        return tuple(proj(x).view(b, t, -1, head_dim).transpose(1, 2)
+                     for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
 
 
 class SwiGLU(nn.Module):
@@ -241,7 +292,8 @@ def count_parameters(model: nn.Module) -> int:
 def forward_flops(cfg: ModelConfig, batch_size: int, context_length: int) -> float:
     """Matrix-multiply FLOPs of one forward pass (2 per multiply-add), causal attention counted in full."""
     tokens = batch_size * context_length
-    per_layer = 2 * tokens * (4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff)  # qkv+out, SwiGLU
+    kv_width = cfg.kv_heads * (cfg.d_model // cfg.num_heads)
+    per_layer = 2 * tokens * (2 * cfg.d_model**2 + 2 * cfg.d_model * kv_width + 3 * cfg.d_model * cfg.d_ff)
     per_layer += 2 * 2 * tokens * context_length * cfg.d_model  # QK^T and PV
     return cfg.num_layers * per_layer + 2 * tokens * cfg.d_model * cfg.vocab_size
 

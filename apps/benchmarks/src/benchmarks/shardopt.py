@@ -18,7 +18,10 @@ Time per iteration (forward + backward + gradient all-reduce + optimizer step) a
 optimizer step alone, each with the device synchronized, mean over the measured iterations,
 the slowest rank's. Synchronizing after each phase waits for every collective, so it also hides
 what overlapping gains: the back-to-back time runs the measured number of iterations with the
-device synchronized only before the first and after the last, and divides.
+device synchronized only before the first and after the last, and divides. What the overlap hides
+is read off traces: ``--trace-steps`` more iterations traced on every rank with ``profkit.trace``
+give the communication per iteration, the part of it no compute runs beside (exposed) and the
+overlap % (see ``benchmarks.overlap``).
 
 Goal: optimizer-state bytes per rank <= unsharded / N + the state of one largest parameter, and
 a step no slower than ZeroRedundancyOptimizer's in the same run.
@@ -61,13 +64,14 @@ from benchmarks.common import (
     str_list,
 )
 from benchmarks.model import MODEL_SIZES, ModelConfig, TransformerLM, model_config, random_batch
+from benchmarks.overlap import trace_comm
 from minddp import STRATEGIES, make_ddp
 from minddp.launch import launch, tensor_device, under_torchrun
-from profkit import PhaseClock, read_peak_memory, reset_peak_memory, run_steps, synchronize
+from profkit import PhaseClock, memory_breakdown, read_peak_memory, reset_peak_memory, run_steps, synchronize
 from profkit.timing import total_mean
 from shardopt import ShardedOptimizer
 
-TOUR_ARGS: list[str] = ["--warmup", "1", "--iters", "2"]
+TOUR_ARGS: list[str] = ["--warmup", "1", "--iters", "2", "--trace-steps", "1"]
 MB = 1e6
 OPTIMIZERS: dict[str, str] = {
     "unsharded": "AdamW (unsharded)",
@@ -78,6 +82,9 @@ OPTIMIZERS: dict[str, str] = {
 ACCOUNTING = {True: "CUDA allocator: peak allocated; other = peak - parameters - gradients - optimizer state",
               False: "tensor sizes only: CPU has no allocator statistics, so no peak and no other"}
 PHASES = ["after init", "before step", "after step"]
+# benchmarks.overlap's columns in this experiment's time table
+TRACED = {"comm ms": "comm_ms", "exposed comm ms": "exposed_comm_ms", "overlap %": "overlap_pct",
+          "wait ms": "wait_ms"}
 DDP_CHOICES = ["torch", *STRATEGIES]
 
 
@@ -103,15 +110,14 @@ def state_bytes_per_param(optimizer: torch.optim.Optimizer, device: torch.device
 
 
 def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
-    """Parameters, gradients and optimizer state held now, in bytes, and the peak allocated (CUDA only)."""
-    params = list(model.parameters())
+    """Parameters, gradients and optimizer state held now (profkit.memory_breakdown's tensor sizes), in
+    bytes, and the peak allocated (CUDA only)."""
+    holder = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    held = memory_breakdown(model=model, optimizer=holder).bytes
     peak = read_peak_memory(device)
-    return {
-        "parameters": held_bytes(params, device),
-        "gradients": held_bytes((p.grad for p in params), device),
-        "optimizer state": sum(state_bytes_per_param(optimizer, device)),
-        "peak": float(peak.allocated) if peak else float("nan"),
-    }
+    return {"parameters": held["parameters"], "gradients": held["gradients"],
+            "optimizer state": held["optimizer state"],
+            "peak": float(peak.allocated) if peak else float("nan")}
 
 
 class Workload:
@@ -169,6 +175,8 @@ def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch
     clock = PhaseClock(device)
     run_steps(work.step, args.warmup, args.iters, clock)
     back_to_back = work.back_to_back_s(args.iters)
+    traced = args.trace_steps > 0
+    comm = trace_comm(work.step, OPTIMIZERS[kind], args.trace_steps, args.trace_dir) if traced else {}
     # One more iteration, untimed, with the peak window opened at its start.
     reset_peak_memory(device)
     work.forward_backward()
@@ -179,7 +187,7 @@ def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch
         work.optimizer.finish_param_gather()  # overlap_with leaves it for a next forward; there is none
     timings = clock.timings()
     record = {"memory": memory, "iteration_s": total_mean(timings), "back_to_back_s": back_to_back,
-              "step_s": timings["optimizer step"].mean,
+              "comm": comm, "step_s": timings["optimizer step"].mean,
               "largest_param_state": max(state_bytes_per_param(work.optimizer, device), default=0)}
     del work
     free_device_memory()
@@ -212,6 +220,8 @@ def tables(per_rank: list[dict[str, dict[str, Any]]], on_cuda: bool) -> dict[str
                   "back_to_back_iteration_ms": 1e3 * max(r[kind]["back_to_back_s"] for r in per_rank),
                   "optimizer_state_MB": max(r[kind]["memory"]["after step"]["optimizer state"]
                                             for r in per_rank) / MB}
+                 | {column: per_rank[0][kind].get("comm", {}).get(key, float("nan"))
+                    for key, column in TRACED.items()}
                  for kind in kinds]
     frames = {"memory": pd.DataFrame(memory_rows), "time": pd.DataFrame(time_rows),
               "goal": goal_table(per_rank, len(per_rank))}
@@ -276,7 +286,8 @@ def report(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 "context_length": str(args.context_length), "ddp": args.ddp, "backend": args.backend,
                 "memory_accounting": ACCOUNTING[on_cuda]}
     for name, df in results.items():
-        save_results(df, f"shardopt_{name}", args, metadata)
+        if not df.empty:  # no goal without both sides of a criterion: the earlier goal file stays
+            save_results(df, f"shardopt_{name}", args, metadata)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,9 +307,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="gradient averaging: torch's DistributedDataParallel or a minddp strategy")
     parser.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed iterations per optimizer")
     parser.add_argument("--iters", type=positive_int, default=5, help="timed iterations per optimizer")
-    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (all three optimizers)")
+    parser.add_argument("--lr", type=positive_float, default=1e-4,
+                        help="AdamW learning rate (all three optimizers)")
     parser.add_argument("--attention", choices=["naive", "sdpa"], default="sdpa", help="attention function")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model; each rank's data adds its rank")
+    parser.add_argument("--trace-steps", type=nonnegative_int, default=2,
+                        help="iterations traced per optimizer for communication and overlap (0: none)")
+    parser.add_argument("--trace-dir", type=str, default=None,
+                        help="keep the traces here (for Perfetto); default: analysed and deleted")
     parser.add_argument("--timeout", type=positive_float, default=600,
                         help="seconds the run (and any collective) may take before it fails, not hangs")
     args = parse_args(parser, argv)

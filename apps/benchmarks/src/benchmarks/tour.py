@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ResultsNotSaved, console, make_parser, parse_args, str_list
+from benchmarks.common import NothingMeasured, ResultsNotSaved, console, make_parser, parse_args, str_list
 
 CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models "
             "on shared CPU cores). What a CPU run shows is that each experiment runs, its correctness, "
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             status = module.main(argv)
             ok = not (isinstance(status, int) and status != 0)  # mains return an exit status, a table or None
             outcomes.append((name, "ok" if ok else "FAILED", time.perf_counter() - start))
-        except (Exception, ResultsNotSaved):  # a failed save ends that experiment, not the tour
+        except (Exception, ResultsNotSaved, NothingMeasured):  # a save failed or refused: only this one ends
             console.print(traceback.format_exc(), style="red")
             outcomes.append((name, "FAILED", time.perf_counter() - start))
     console.rule("[bold]tour")

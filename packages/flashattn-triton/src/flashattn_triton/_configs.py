@@ -1,6 +1,6 @@
 """Block sizes, warps and pipeline stages of the Triton kernels: the candidates per head dim and dtype.
 
-Measured on an H100 (docs/decisions.md#tune-candidates). Where no candidate fits a smaller GPU's
+Chosen by measurements on an H100. Where no candidate fits a smaller GPU's
 shared memory, the launcher steps down from the first through :func:`smaller` until one does.
 """
 
@@ -77,7 +77,7 @@ class BackwardConfig:
     # another (grouped-query attention): dK and dV summed in the program, not after.
     per_kv_head: bool = False
     # The Gluon kernel's consumer partitions: one over the tile's keys, or two over half of them each, which
-    # skip the query steps that see none of their keys (decisions.md#gluon-backward-two-consumers).
+    # skip the query steps that see none of their keys.
     consumers: int = 1
 
     def __post_init__(self) -> None:
@@ -114,7 +114,7 @@ INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 
 F, B = ForwardConfig, BackwardConfig
 # Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
-# per problem size class and keeps the fastest. Each was measured on an H100 (decisions.md) and builds for
+# per problem size class and keeps the fastest. Each was measured on an H100 and builds for
 # sm_90 without register spills in its loops but one. float32's backward from d = 64 accumulates transposed
 # gradients (every TF32 operand K-major, #fp32-transposed-grads; at d = 128 with 16-row steps, which faulted
 # in Triton 3.6 only under its own tf32x3 split). At d = 128 it also runs as two launches, dK/dV in
@@ -155,7 +155,7 @@ def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list
 
 # Key tiles split among programs (ForwardConfig.kv_splits) are tried where one program a query tile leaves
 # the GPU short of work: fewer programs than two an SM, and a longest chain of at least SPLIT_MIN_KEY_TILES
-# key tiles (with shorter ones the combine took what the split saved, decisions.md#split-key-tiles). The
+# key tiles (with shorter ones the combine took what the split saved). The
 # tuner then times each candidate split and unsplit.
 KV_SPLITS = (2, 4, 8)
 SPLIT_MIN_KEY_TILES = 16
@@ -173,16 +173,16 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
     return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
-# The Gluon kernels on Hopper (decisions.md#gluon-forward, #gluon-backward; Triton 3.6), for the problems
+# The Gluon kernels on Hopper (Triton 3.6), for the problems
 # _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
 # cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
 # backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
-# time with transposed scores (decisions.md#gluon-backward-128), or 64 in FA3's query-major form with 2
-# or 3 stages (231 KB of shared memory; decisions.md#gluon-backward-query-major). Up to d = 64 also in
+# time with transposed scores, or 64 in FA3's query-major form with 2
+# or 3 stages (231 KB of shared memory). Up to d = 64 also in
 # persistent programs (K and V double-buffered, 182 KB of shared memory); at d = 128 they need 2 stages
-# (206 KB), and 2 stages lost there, persistent or not (decisions.md#gluon-backward-persistent). Up to
+# (206 KB), and 2 stages lost there, persistent or not. Up to
 # d = 64 also as two consumer partitions of 4 warps (199 KB persistent), which won the window, causal and
-# xl problems measured (decisions.md#gluon-backward-two-consumers).
+# xl problems measured.
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
                   F(128, 128, 4, 2, max_registers=168, hopper=True, persistent=True)]
 HOPPER_BACKWARD = {
@@ -195,7 +195,7 @@ HOPPER_BACKWARD = {
           B(64, 128, 8, 3, atomic_dq=True, max_registers=168, hopper=True)],
 }
 # Programs a K/V head's key tile, through its group's query heads (grouped-query attention without causal
-# masks: decisions.md#gqa-per-kv-head): the 64-row d = 128 kernels; elsewhere the loop over the heads
+# masks): the 64-row d = 128 kernels; elsewhere the loop over the heads
 # spilled 96-224 bytes.
 HOPPER_BACKWARD_PER_KV_HEAD = {128: [replace(c, per_kv_head=True) for c in HOPPER_BACKWARD[128][1:]]}
 
@@ -204,7 +204,7 @@ def hopper_candidates(pass_name: str, block_d: int,
                       per_kv_head: bool = False) -> list[ForwardConfig | BackwardConfig]:
     """The Gluon kernel's candidates for pass_name ("fwd" or "bwd") at head dim block_d (one
     _hopper.supports takes); with per_kv_head, the backward's programs of one a tile also as programs a
-    K/V head's tile (grouped-query attention: decisions.md#gqa-per-kv-head)."""
+    K/V head's tile (grouped-query attention)."""
     if pass_name == "fwd":
         return list(HOPPER_FORWARD)
     own = max(block_d, 64)

@@ -4,12 +4,12 @@ Written against Triton 3.6's Gluon (``available()`` says whether this Triton shi
 kernels module, which imports Gluon, loads when a Gluon kernel first runs); the launchers offer them to
 their tuner where they apply (``supports``) and keep the Triton-language kernels elsewhere.
 
-Forward (``_hopper_kernels.attn_fwd``, decisions.md#gluon-forward): FA3's ping-pong. Two 4-warp consumers
+Forward (``_hopper_kernels.attn_fwd``): FA3's ping-pong. Two 4-warp consumers
 own 64 query rows each and take turns issuing S = QKᵀ, so that one's softmax runs during the other's
 products; a loader partition streams 128-key tiles of K and V through a ring of mbarrier-guarded stages.
 Like the backward (up to d = 64), it also runs as persistent programs, one an SM (``launcher``).
 
-Backward (``_hopper_kernels.attn_bwd``, decisions.md#gluon-backward): ``_kernels.attn_bwd``'s algorithm with
+Backward (``_hopper_kernels.attn_bwd``): ``_kernels.attn_bwd``'s algorithm with
 ATOMIC_DQ. One program owns 128 keys of one (z, h) (two consumer warpgroups of 64), keeps K and V in
 shared memory, and a one-warp loader streams the query tiles of 64 rows (32 at d = 128) that see them
 (Q, dO, L, D). Per step, with the transposed scores (keys are the rows):
@@ -19,23 +19,21 @@ shared memory, and a one-warp loader streams the query tiles of 64 rows (32 at d
     dV  += P^T dO                                 (P^T from registers; runs during dS)
     dS^T = P^T * (dP^T - D[q])
     dQ_q += scale * dS K                          (dS^T through shared memory; a TMA reduce-add of fp32;
-                                                   d = 128: dQ^T = K^T dS^T, #gluon-backward-128)
+                                                   d = 128: dQ^T = K^T dS^T)
     dK  += dS^T Q                                 (left in flight into the next step)
 
 Persistent programs issue each item's first S and dP before the item before stores its dK and dV (the tensor
 cores run through that epilogue). Up to d = 64 the consumers may also be two 4-warp partitions of 64 keys each
 (BackwardConfig's consumers=2), which skip the steps whose queries see none of their keys and meet once a step
-for dQ (decisions.md#gluon-backward-two-consumers). At d = 128 it also steps through 64 query rows in FA3's
-query-major form (S = Q K^T, P and dS through shared memory: _hopper_kernels.query_major_step,
-decisions.md#gluon-backward-query-major), and for grouped-query attention a program may own a K/V head's key
-tile through its group's query heads (BackwardConfig's per_kv_head: dK and dV summed in the program,
-decisions.md#gqa-per-kv-head).
+for dQ. At d = 128 it also steps through 64 query rows in FA3's query-major form (S = Q K^T, P and dS through
+shared memory: _hopper_kernels.query_major_step), and for grouped-query attention a program may own a K/V
+head's key tile through its group's query heads (BackwardConfig's per_kv_head: dK and dV summed in the
+program).
 
-Both take each tensor as a matrix whose rows are its time steps (``matrix``,
-decisions.md#gluon-model-layouts): (B, H, T, d) memory, or (B, T, H, d) memory as a model's transposed and
-fused-projection views are, each tensor with a head layout of its own. Query head h reads K/V head
-h // group (grouped-query attention); CAUSAL with WINDOW hides keys more than window_left before the query
-(a causal sliding window).
+Both take each tensor as a matrix whose rows are its time steps (``matrix``): (B, H, T, d) memory, or
+(B, T, H, d) memory as a model's transposed and fused-projection views are, each tensor with a head layout
+of its own. Query head h reads K/V head h // group (grouped-query attention); CAUSAL with WINDOW hides keys
+more than window_left before the query (a causal sliding window).
 """
 
 from __future__ import annotations
@@ -51,19 +49,14 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
-from flashattn_triton._inputs import as_4d
 from flashattn_triton._launcher import Launcher
 from flashattn_triton._tiles import Tiles
 
-# Head dims each kernel compiles for without spills (the backward at d = 128 in 32-row steps with dQ
-# transposed, or 64-row query-major ones: _hopper_kernels.transposed_step, query_major_step).
-HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 CONSUMER_REGISTERS = 240  # a 4-warp consumer partition's (the forward's two, the backward's where it has two)
-# Persistent programs' work schedule (work_schedule, decisions.md#gluon-work-schedule). A work item's fixed
-# cost in steps: the backward's fit over causal windows of 128 to 4096 keys at (1, 16, 16384, 64) (1.56 µs a
-# step, 44 µs over 15.5 items a program), the forward's from decisions.md#gluon-forward-persistent (3.9 µs
-# an item, 1.1 µs a step).
+# Persistent programs' work schedule (work_schedule). A work item's fixed cost in steps (its loads, its
+# epilogue), fitted to measured programs over causal windows of 128 to 4096 keys: the cost model balances
+# items of few steps against items of many.
 ITEM_STEPS = {"fwd": 3.5, "bwd": 1.9}
 # With fewer than two programs a head, heads start HEADS_A_CHUNK at a time, CHUNK_SHIFT tiles apart.
 HEADS_A_CHUNK, CHUNK_SHIFT = 4, 2
@@ -73,7 +66,7 @@ _schedules: dict[tuple, torch.Tensor] = {}  # _schedule_args's, by problem and d
 @functools.cache
 def _gluon() -> Any:
     """The kernels module, imported when a Gluon kernel first runs (a Gluon whose API differs from Triton
-    3.6's fails here, and the tuner skips the Gluon candidates: decisions.md#gluon-after-default)."""
+    3.6's fails here, and the tuner skips the Gluon candidates)."""
     from flashattn_triton import _hopper_kernels
 
     return _hopper_kernels
@@ -83,7 +76,7 @@ def _gluon() -> Any:
 def _gluon_shipped() -> bool:
     """Whether this Triton has Gluon for Hopper, read from its files without importing it: importing
     Gluon costs ~0.15 s of a process's first call, which a process whose tuned choices are all
-    Triton-language kernels need not pay (decisions.md#tune-first-call)."""
+    Triton-language kernels need not pay."""
     spec = importlib.util.find_spec("triton")
     locations = (spec.submodule_search_locations or []) if spec is not None else []
     gluon = [Path(root) / "experimental" / "gluon" for root in locations]
@@ -120,39 +113,6 @@ def head_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
     if (heads - 1) * stride_h + head_dim <= stride_t and stride_h >= head_dim:  # heads side by side in a row
         return rows_per_z, 0, stride_h
     return None
-
-
-def supports(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], head_dim: int,
-             band: tuple[int, int] | None = None) -> bool:
-    """Whether the Gluon kernel of pass_name ("fwd" or "bwd") runs this problem: Hopper, 16-bit, a head
-    dim of HEAD_DIMS[pass_name], Tq = Tk a multiple of 128, K/V heads dividing q's (grouped-query attention),
-    every tensor (q, k, v[, out, dO]) in a head_layout, and no band other than a causal sliding window
-    (right = 0)."""
-    sixteen_bit = q.dtype in (torch.bfloat16, torch.float16)
-    if not (q.is_cuda and sixteen_bit and head_dim == q.shape[-1] in HEAD_DIMS[pass_name]):
-        return False
-    tensors = tuple(as_4d(t) for t in tensors)
-    q, k, v = tensors[:3]
-    seqlen, heads, kv_heads = q.shape[-2], q.shape[1], k.shape[1]
-    if seqlen % 128 or k.shape[-2] != seqlen or heads % kv_heads or (band is not None and band[1] != 0):
-        return False
-    if any(head_layout(t) is None for t in tensors):
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and available()
-
-
-def refusal(pass_name: str, q: torch.Tensor, band: tuple[int, int] | None, dropout_p: float) -> str:
-    """Why a config naming the Gluon kernel of pass_name cannot run this problem: what supports asks, beside
-    the problem's q, band and dropout."""
-    dims = " or ".join(map(str, HEAD_DIMS[pass_name]))
-    return (
-        f"the Hopper kernel runs 16-bit problems with head dim {dims}, Tq = Tk a multiple of 128, K/V "
-        "heads dividing the query heads, inputs in (B, H, T, d) or (B, T, H, d) memory, no window but a "
-        "causal one, on sm_90 with Gluon, above the small-problem size, without dropout; "
-        f"not q {tuple(q.shape)} {q.dtype} on {q.device}"
-        + ("" if band is None else f" with window {band}")
-        + f" with dropout_p={dropout_p}" * (dropout_p > 0.0)
-    )
 
 
 def kernel(pass_name: str) -> Any:
@@ -244,7 +204,7 @@ def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, 
     """PERSISTENT, ROUNDS and the work schedule of a launch with sm_count programs at most (launcher's grid),
     made once a problem; or with None a program an item. band: _band_args'. Where work_schedule would make
     rounds, the forward computes them in the kernel (ROUNDS) rather than read them: the read cost it 2-3%,
-    while the backward ran as fast or faster with it (decisions.md#gluon-work-schedule)."""
+    while the backward ran as fast or faster with it."""
     if sm_count is None:
         return dict(PERSISTENT=False, ROUNDS=False, schedule=_no_schedule(q.device))
     programs = persistent_programs(q.shape[2] // block_n * work_heads, sm_count)

@@ -3,8 +3,6 @@ TF32 parts."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -12,12 +10,9 @@ from flashattn_triton import _launcher
 from flashattn_triton._planning import block_d
 
 MAX_HEAD_DIM = 256
-_TRUE = ("1", "true", "on", "yes")
 
 
-def interpret_requested() -> bool:
-    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+interpret_requested = _launcher.interpret_requested
 
 
 def check_head_dim(q: torch.Tensor) -> None:
@@ -138,8 +133,8 @@ def input_precision(dtype: torch.dtype) -> str:
 def host_descriptors(device: torch.device) -> bool:
     """Whether the host builds the tensor descriptors: on Hopper and later, and for the interpreter.
     Otherwise the kernels get pointers to contiguous tensors and build them (on GPUs before Hopper, as
-    ordinary loads). A kernel-built descriptor costs every program a write and a fence: about 4 us of a
-    forward on an H100 and 14 us of a backward (decisions.md#host-descriptors), while the host encodes
+    ordinary loads). A kernel-built descriptor costs every program a write and a fence, which a small
+    problem's kernel time notices, while the host encodes
     its own once per address (_launcher.LaunchArgs)."""
     if device.type != "cuda":
         return True

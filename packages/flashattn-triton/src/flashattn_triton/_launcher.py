@@ -3,7 +3,7 @@
 A ``Launcher`` is one kernel with one config and grid, called with the kernel's arguments by name. Its first
 call goes through Triton's JIT, which compiles (or finds) the specialization for its arguments; later calls
 launch that compiled kernel directly, skipping the JIT's per-call binding and specializing of every
-argument (most of a small problem's host time, decisions.md#direct-launch). That direct launch goes
+argument (most of a small problem's host time). That direct launch goes
 into Triton's C launch function (``CudaLauncher``), encodes host-built descriptors with
 ``make_tensordesc_arg``, unwraps Triton's descriptor wrapper with ``inspect.getclosurevars`` and reads
 the raw CUDA stream from ``torch._C``: private interfaces, used only with the Triton version whose
@@ -20,10 +20,13 @@ import functools
 import importlib.util
 import inspect
 import operator
+import os
+import tarfile
 import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -36,8 +39,11 @@ DIRECT_LAUNCH_TRITON = (3, 6)  # the Triton whose C launcher the direct launch c
 
 @functools.cache
 def kernels() -> ModuleType:
-    """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton)."""
+    """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton); on an
+    sm_90 GPU, Triton's cache first gets the compiled kernels shipped for this Triton (seed_triton_cache)."""
     try:
+        if not interpret_requested() and torch.cuda.is_available():
+            seed_triton_cache(torch.cuda.get_device_capability())
         from flashattn_triton import _kernels
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.partition(".")[0] != "triton":
@@ -47,6 +53,77 @@ def kernels() -> ModuleType:
             "CPU install flashattn-triton[interpret] (and set TRITON_INTERPRET=1), or use flash_attention() "
             "or FlashAttentionTorch.apply(), which run without it", name=exc.name) from exc
     return _kernels
+
+
+SHIPPED_KERNELS = Path(__file__).parent / "kernels"
+# Triton's cache keeps a compiled kernel as <cache>/<hash>/<files>, with a group file naming its files by
+# absolute path: shipped archives name them relative to the cache (PORTABLE_ROOT), made absolute here.
+PORTABLE_ROOT = "$TRITON_CACHE/"
+
+
+def shipped_archive(capability: tuple[int, int]) -> Path:
+    """The archive of compiled kernels shipped for this Triton on GPUs of capability (made by
+    lab/flashattn-triton/scripts/ship_kernels.py)."""
+    import triton
+
+    return SHIPPED_KERNELS / f"triton-{triton.__version__}-sm{capability[0]}{capability[1]}.tar.gz"
+
+
+def triton_cache_dir() -> Path:
+    """The directory of Triton's kernel cache (TRITON_CACHE_DIR, else its default)."""
+    try:
+        from triton import knobs
+
+        return Path(knobs.cache.dir)
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def seed_triton_cache(capability: tuple[int, int]) -> int:
+    """Add the compiled kernels shipped for this Triton and GPU to Triton's cache, those it lacks (a marker
+    file beside them records an archive already added): a fresh machine's first calls then load kernels
+    instead of compiling them. Kernels whose source or Triton build differ from the shipped ones have
+    other hashes and compile as usual. FLASHATTN_TRITON_SHIPPED_KERNELS=0 turns it off. Returns how many
+    kernels were added."""
+    if os.environ.get("FLASHATTN_TRITON_SHIPPED_KERNELS", "1").strip().lower() in _OFF:
+        return 0
+    archive = shipped_archive(capability) if triton_available() else None
+    if archive is None or not archive.is_file():
+        return 0
+    cache = triton_cache_dir()
+    marker = cache / f"flashattn_triton-{archive.name}-{archive.stat().st_size}.seeded"
+    if marker.exists():
+        return 0
+    added = 0
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers() if m.isfile() and len(Path(m.name).parts) == 2]
+            for member in members:
+                target = cache / member.name
+                if target.exists():
+                    continue
+                data = tar.extractfile(member).read()
+                if Path(member.name).name.startswith("__grp__"):
+                    data = data.replace(PORTABLE_ROOT.encode(), (str(cache) + os.sep).encode())
+                target.parent.mkdir(exist_ok=True)
+                temporary = target.with_name(target.name + ".tmp")
+                temporary.write_bytes(data)
+                os.replace(temporary, target)  # (no reader sees half a file)
+                added += target.name.endswith(".json") and not target.name.startswith("__grp__")
+        marker.touch()
+    except (OSError, tarfile.TarError) as exc:  # a read-only cache, a torn archive: kernels compile instead
+        warnings.warn(f"flashattn_triton: could not add the shipped kernels to Triton's cache {cache}: {exc}",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+    return added
+
+
+_OFF = ("0", "false", "off", "no")
+
+
+def interpret_requested() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 @functools.cache
@@ -93,7 +170,7 @@ def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there.
     A fresh allocation each launch (the caching allocator hands back the same block, stream-ordered): a
     buffer kept between launches would, if first made during a warm-up of torch.compile's CUDA graph trees,
-    hold memory of the graph's pool that the trees hand to other tensors (decisions.md#no-kept-buffers)."""
+    hold memory of the graph's pool that the trees hand to other tensors."""
     return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
@@ -130,7 +207,7 @@ def gpu_milliseconds(fn: Callable[[], None], rep_ms: float) -> float:
     behind a sleep kernel (``torch.cuda._sleep``, private torch) that lasts longer than the host takes to
     queue them, so the GPU runs them back to back. Timed as ordinary calls, a small problem's configs
     measure the host's time per call (a split forward's second launch: slower), and the choice depends
-    on the host and the moment (decisions.md#tuning-gpu-time)."""
+    on the host and the moment."""
     fn()  # (compiles, fills caches)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -247,7 +324,7 @@ class LaunchArgs:
     (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address, shape,
     strides and dtype and the tile, and a Launcher's plan and config fix all else (every shape, stride and
     scalar argument, see Launcher), so repeated addresses skip the TensorDescriptors and their encoding
-    (about 10 us of host time each, 4 a forward and 11 a backward)."""
+    (host time a small problem notices: a forward has 4, a backward 11)."""
 
     MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
 
@@ -327,7 +404,7 @@ def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple],
     the direct launch was tested with and no launch hook is set; else through the JIT's own runner.
     Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
     for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
-    every tensor: about half of a small problem's host time a pass (decisions.md#direct-launch)."""
+    every tensor: about half of a small problem's host time a pass."""
     runner = kernel[grid]
     device = torch.cuda.current_device()
 

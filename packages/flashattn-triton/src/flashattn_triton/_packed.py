@@ -8,24 +8,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton import _inputs
-
 
 class Packed(NamedTuple):
     """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d) with Hkv dividing Hq, sequence b the
     rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, checked by the caller: _validation.varlen_op_arguments),
-    max_seqlen_q/_k at least its longest. For the tuned kernels only where supported."""
+    max_seqlen_q/_k at least its longest. For the tuned kernels where the dispatch table sends them."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-
-
-def supported(q: torch.Tensor, window: tuple[int, int] | None) -> bool:
-    """Whether the tuned kernels take packed sequences of q's dtype: without a window, and not float32 at
-    full accuracy (tf32x3's parts are laid out by batch; the feature kernels take those)."""
-    return window is None and _inputs.input_precision(q.dtype) != "tf32x3"
 
 
 _NOT_PACKED = {"CuSeqlensQ": None, "CuSeqlensK": None, "VARLEN": False}

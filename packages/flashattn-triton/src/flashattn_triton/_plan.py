@@ -9,6 +9,7 @@ sequences' (total, H, d)) and, under tf32x3, float32's TF32 parts.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -175,4 +176,12 @@ class Plan:
                 self.config = smaller(self.config)
                 if self.config is None:
                     raise
+                self.launch = launcher(self.config)
+            except Exception as exc:  # a Gluon build another Triton refuses: the Triton-language kernels
+                if not (self.config.hopper and self.candidates and not self.candidates[0].hopper):
+                    raise
+                warnings.warn(f"flashattn_triton: the Gluon kernel failed ({type(exc).__name__}: "
+                              f"{str(exc)[:300]}); running the Triton-language kernels", RuntimeWarning,
+                              stacklevel=4)  # fmt: skip
+                self.config = self.candidates[0]
                 self.launch = launcher(self.config)

@@ -30,8 +30,7 @@ from flashattn_triton._validation import UNBOUNDED, check_window
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
 # ... and whose query tiles of 128 rows, over all heads, are at most about two waves of an H100's 132 SMs:
 # with more, the GPU is busy enough that the preprocess launch beats D's loads in every step, and atomic dQ
-# can pay ((100, 2048, 64) bf16 backward 0.61 -> 0.50 ms, (32, 2048, 64) 0.21 -> 0.19 ms;
-# decisions.md#many-heads-backward).
+# can pay.
 SMALL_PROBLEM_TILES = 256
 
 Band = tuple[int, int]  # (window_left, window_right) of the kernels' BAND
@@ -72,8 +71,8 @@ def band_span(band: Band | None, seqlen_q: int, seqlen_k: int) -> int:
 
 def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:
     """Query-key pairs times the head dim, counted as at least 64: below it a kernel's time per pair stops
-    falling with d (the softmax's exponentials, each tile's fixed costs; at (1, 32768, 32) the large
-    problems' backward took 0.62 ms, the small problems' 0.99, decisions.md#small-problem-path)."""
+    falling with d (the softmax's exponentials, each tile's fixed costs), so long sequences of small
+    heads are large problems."""
     return batch_heads * seqlen_q * seqlen_k * max(head_dim, 64)
 
 
@@ -152,11 +151,8 @@ class Problem:
 
     @property
     def uses_hopper(self) -> bool:
-        """Whether the Gluon kernels are among the candidates: where hopper says they take the inputs
-        (_hopper.supports: layouts, grouped-query attention, causal windows), never for dropout, which they
-        lack, packed sequences, or a deterministic backward (their dQ is atomic)."""
-        return (self.hopper and not self.small and not self.varlen
-                and not (self.deterministic and self.pass_name == "bwd") and not self.dropout)  # fmt: skip
+        """Whether the Gluon kernels are among the candidates: where the dispatch table chose them."""
+        return self.hopper
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:

@@ -1,12 +1,14 @@
-"""The tuned choice of config for each problem size class: timed once per machine, kept on disk.
+"""The config of each problem size class: shipped, tuned on request, or the heuristic default.
 
-A choice is kept in memory for the process and in a JSON file per GPU and software versions under the
-user's cache directory: ``$FLASHATTN_TRITON_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashattn_triton``, else
-``~/.cache/flashattn_triton``, in a subdirectory of the file format's version. So a fresh process reuses
-the choices of earlier ones, and the same choices: timings that differ from process to process no longer
-change which kernels run. ``FLASHATTN_TRITON_AUTOTUNE=0`` turns tuning (and the cache) off: every
-problem runs its default config, the first candidate. Tuning never runs while a CUDA graph is captured
-or torch.compile traces: the default runs there, and the class stays untuned until an ordinary call.
+A class's config is, first found: the choice tuned in this process or kept on disk by an earlier tuning on
+this machine (a JSON file per GPU and software versions under ``$FLASHATTN_TRITON_CACHE_DIR``, else
+``$XDG_CACHE_HOME/flashattn_triton``, else ``~/.cache/flashattn_triton``, in a subdirectory of the file
+format's version); the choice shipped with the package for sm_90 GPUs (``tuned/sm90.json``, made by
+lab/flashattn-triton/scripts/tune.py on an H100/H200); else the default (``default_config``: the Gluon
+kernels' first config where the dispatch table chose them, else the Triton-language kernels' first). A first
+call never waits for tuning: tuning runs only when asked, with ``FLASHATTN_TRITON_AUTOTUNE=1`` or
+``flashattn_triton.tune(...)``, and never while a CUDA graph is captured or torch.compile traces.
+``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only (no files, nothing shipped).
 ``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
 """
 
@@ -37,8 +39,31 @@ TIE = 0.01
 ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and the GPU time queued for each, ms
 
 
+_requested = False  # set by flashattn_triton.tune()
+
+
+def _autotune_setting() -> str:
+    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "").strip().lower()
+
+
 def autotune_enabled() -> bool:
-    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether a class with no known choice is tuned: only when asked (see the module docstring)."""
+    return _requested or _autotune_setting() in ("1", "true", "on", "yes")
+
+
+def defaults_only() -> bool:
+    return not _requested and _autotune_setting() in ("0", "false", "off", "no")
+
+
+def default_config(candidates: list, problem: Problem) -> Any:
+    """The heuristic config of an untuned class: the Gluon kernels' first where they are candidates (the
+    dispatch table chose them), else the first candidate."""
+    if problem.uses_hopper:
+        return next((c for c in candidates if c.hopper), candidates[0])
+    return candidates[0]
+
+
+SHIPPED = Path(__file__).parent / "tuned" / "sm90.json"
 
 
 def cache_dir() -> Path:
@@ -81,31 +106,42 @@ class TuningCache:
 
     def choose(self, run: Callable[[Any], None], candidates: list, problem: Problem,
                device: torch.device) -> Any:  # fmt: skip
-        """The config to run `problem` with: the default where tuning is off, forbidden or pointless; else
-        the cached choice of its size class; else the fastest candidate, timed with run(config) and
-        cached."""
-        if len(candidates) == 1 or not autotune_enabled():
-            return candidates[0]
+        """The config to run `problem` with: the known choice of its class (known), else the fastest
+        candidate timed with run(config) and kept where tuning was asked for and may run, else the
+        default."""
+        if len(candidates) == 1 or defaults_only():
+            return default_config(candidates, problem)
         key = (device, problem.size_key)
-        config = self.chosen.get(key)
-        if config is not None:
-            return config
-        path = self.file(device)
-        name = "|".join(map(str, problem.size_key))
-        config = self._decode(self._entries(path).get(name), candidates)
+        config = self.known(candidates, problem, device)
         if config is None:
-            if tuning_forbidden():
-                return candidates[0]
+            if not autotune_enabled() or tuning_forbidden():
+                return default_config(candidates, problem)
             times = self._time(run, candidates)
             if not times:
-                return candidates[0]
+                return default_config(candidates, problem)
             fastest = min(times.values())
             config = next(c for c in candidates if c in times and times[c] <= fastest * (1 + TIE))
+            name = "|".join(map(str, problem.size_key))
             if os.environ.get("FLASHATTN_TRITON_AUTOTUNE_LOG"):
                 timings = ", ".join(f"{describe(c)} {ms:.4f} ms" for c, ms in times.items())
                 print(f"flashattn_triton tuned {name}: {timings} -> {describe(config)}", file=sys.stderr)
-            self._store(path, name, config, times, candidates)
+            self._store(self.file(device), name, config, times, candidates)
         self.chosen[key] = config
+        return config
+
+    def known(self, candidates: list, problem: Problem, device: torch.device,
+              capability: tuple[int, int] | None = None) -> Any:  # fmt: skip
+        """The choice of problem's class made earlier (in this process, or kept on disk by a tuning on this
+        machine) or shipped for its GPU (capability: a described device's), or None."""
+        config = self.chosen.get((device, problem.size_key))
+        if config is not None or defaults_only():
+            return config
+        name = "|".join(map(str, problem.size_key))
+        if capability is None:  # (a described device's choices are the shipped ones only)
+            config = self._decode(self._entries(self.file(device)).get(name), candidates)
+            capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if config is None and capability == (9, 0) and not _requested:
+            config = self._decode(self._entries(SHIPPED).get(name), candidates)
         return config
 
     @staticmethod
@@ -135,7 +171,7 @@ class TuningCache:
     @staticmethod
     def _decode(entry: dict | None, candidates: list) -> Any:
         """The candidate an entry names, or None: no entry, or one chosen among other candidates (a release
-        that adds one, as session 16's d = 128 backward kernels, has it timed rather than never tried)."""
+        that adds one has it timed rather than never tried)."""
         if not isinstance(entry, dict) or entry.get("candidates") != [describe(c) for c in candidates]:
             return None
         return next((c for c in candidates if dataclasses.asdict(c) == entry.get("config")), None)

@@ -321,7 +321,7 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
             cu.is_cuda and torch.cuda.is_current_stream_capturing()):  # fmt: skip
         return  # the values are data: the ops check them where they run (check_packed_rows)
     # Reading a CUDA tensor's values waits for the GPU: every call of a model's layers would stall the
-    # stream (the packed benchmark's forward took 0.42-0.61 ms a call against its kernel's 0.26). So here,
+    # stream, at a cost beyond the kernels' own time. So here,
     # where a wrong value gets its clearest error, a CUDA tensor's values are read once for each pair of
     # sizes it is checked against, and again once it has changed (its version counter); the ops check
     # them on every call all the same, on the GPU (check_packed_rows), a change that bumps no version

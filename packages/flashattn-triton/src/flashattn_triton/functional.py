@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton import ops
-from flashattn_triton._validation import op_arguments, varlen_op_arguments
+from flashattn_triton import _dispatch, _inputs, ops
+from flashattn_triton._dispatch import Explanation
+from flashattn_triton._validation import check_dropout, op_arguments, varlen_op_arguments
 from flashattn_triton.ops import uses_triton
 
-__all__ = ["flash_attention", "flash_attention_varlen", "uses_triton"]
+__all__ = ["Explained", "explain", "flash_attention", "flash_attention_varlen", "uses_triton"]
 
 
 def _autocast_available(device_type: str) -> bool:
@@ -105,3 +106,107 @@ def flash_attention_varlen(
                                is_causal, scale, window_size, enable_gqa)  # fmt: skip
     out, _ = ops.eager_attention(*args)
     return out
+
+
+class Explained(NamedTuple):
+    """explain()'s answer: the forward's Explanation and, where the inputs require grad (or grad=True), the
+    backward's. Each has .backend, .config and .not_taken (for each faster backend, why not)."""
+
+    forward: Explanation
+    backward: Explanation | None
+
+    def __str__(self) -> str:
+        return "\n".join(str(e) for e in (self.forward, self.backward) if e is not None)
+
+
+def explain(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] | None = None,
+    grad: bool | None = None,
+    device_capability: tuple[int, int] | None = None,
+) -> Explained:
+    """Which backend and config flash_attention(query, key, value, ...) (the same arguments) would run, eager
+    or compiled, and for each faster backend why not: the dispatch table's answer (_dispatch), computing
+    nothing. grad: whether to explain the backward too (default: whether an input requires grad).
+    device_capability: explain for a described CUDA device of this capability (e.g. (9, 0) for an
+    H100/H200 with Triton and Gluon) instead of the inputs' device: tensors on any device (CPU, meta) then
+    stand for the inputs of that shape and strides."""
+    args = op_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window_size)
+    dropout = check_dropout(dropout_p) > 0.0
+    if grad is None:
+        grad = any(t.requires_grad for t in (query, key, value))
+    options = ops.recognise_mask(args.q, args.k, args._asdict())
+    capability = False if device_capability is None else tuple(device_capability)
+    out = _inputs.output_like(args.q)
+    passes = (("fwd", (args.q, args.k, args.v)), ("bwd", (args.q, args.k, args.v, out, out)))
+    explained = []
+    for pass_name, tensors in passes[: 1 + grad]:
+        explained.append(_explain_pass(pass_name, tensors, options, dropout, capability))
+    return Explained(explained[0], explained[1] if grad else None)
+
+
+def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: dict[str, Any], dropout: bool,
+                  capability: tuple[int, int] | bool) -> Explanation:  # fmt: skip
+    from flashattn_triton import _planning, _tuning, triton_impl
+
+    q, k = tensors[:2]
+    window = (options["window_left"], options["window_right"])
+    deterministic = pass_name == "bwd" and torch.are_deterministic_algorithms_enabled()
+    description = _dispatch.describe(pass_name, q, k, tensors, mask=options["attn_mask"] is not None,
+                                     window=window, diagonal_offset=options["diagonal_offset"],
+                                     dropout=dropout, deterministic=deterministic,
+                                     capability=capability)  # fmt: skip
+    if _dispatch.choose(description) not in (_dispatch.GLUON, _dispatch.TUNED):
+        return _dispatch.explain_description(description)
+    is_causal = window[1] == 0
+    band = None if (window[0] == -1 and window[1] in (0, -1)) else window
+    _, problem = triton_impl.describe_problem(pass_name, q, tensors, is_causal, band, 0.5 * dropout,
+                                              deterministic, None, capability)  # fmt: skip
+    candidates = _planning.candidates(problem)
+    config = _tuning.TUNING.known(candidates, problem, q.device, None if capability is False else capability)
+    config = config or _tuning.default_config(candidates, problem)
+    backend = _dispatch.GLUON if config.hopper else _dispatch.TUNED
+    explanation = _dispatch.explain_description(description, config)
+    if backend == explanation.backend:
+        return explanation
+    not_taken = {**explanation.not_taken, _dispatch.GLUON: "the tuned choice of this class is not Gluon"}
+    return explanation._replace(backend=backend, not_taken=not_taken)
+
+
+def tune(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    window_size: tuple[int, int] | None = None,
+) -> Explained:
+    """Tune the configs of flash_attention(query, key, value, ...)'s problem class on this machine now,
+    forward and backward (every candidate timed on the GPU, a few seconds each), and keep the choices on
+    disk for later processes (_tuning); returns explain()'s answer after. Calls never tune on their own."""
+    from flashattn_triton import _tuning, triton_impl
+
+    leaves = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+    _tuning._requested = True
+    try:
+        triton_impl._plans.clear()
+        _tuning.TUNING.chosen.clear()
+        out = flash_attention(*leaves, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                              window_size=window_size)
+        out.backward(torch.randn_like(out))
+    finally:
+        _tuning._requested = False
+        triton_impl._plans.clear()
+    return explain(*leaves, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size=window_size)

@@ -46,17 +46,15 @@ cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
 (optional) is the gradient of lse, for callers who use it. ``deterministic``: bitwise repeatable
 gradients (no atomics), set from ``torch.are_deterministic_algorithms_enabled()``.
 
-Every argument is supported on every path: the PyTorch path (torch_impl) on CPU and wherever Triton is
-missing; on CUDA (and under the interpreter) the tuned kernels (triton_impl) for plain and top-left
-causal attention and for top-left bands (sliding windows) with Tq = Tk, each grouped-query or not (query
-head h reads K/V head h // (Hq / Hkv) in place) and with or without dropout, and for packed sequences,
-plain or causal (not float32 at full accuracy), and for everything else the feature kernels
-(feature_impl, whose backward has no atomics).
+Every argument is supported on every path. Which path runs a call (the Gluon kernels for Hopper, the tuned
+Triton kernels, the feature kernels or the PyTorch path) is the dispatch table's answer (_dispatch), from
+the description of the call that ``_route`` makes; a mask that only encodes a band runs as that band
+(_masks).
 
 Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
 ``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
-``fill_defaults``, the redispatch) and a second op for the backward cost about 0.9 ms of host time a
-forward and backward, four times a small problem's kernels (decisions.md#eager-autograd). Compiled,
+``fill_defaults``, the redispatch) and a second op for the backward cost host time several times a small
+problem's kernel time. Compiled,
 exported, fake and meta calls, and calls under a dispatch mode, go through the ops; calls under a
 ``torch.func`` transform or forward-mode AD through ``_TransformedAttention``, an autograd.Function around
 them that the transforms take. Where a graph of the gradients is built (``create_graph=True``, and every
@@ -66,6 +64,7 @@ again; forward-mode AD raises NotImplementedError, as SDPA's flash backend does.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +72,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flashattn_triton import _inputs, _launcher, _packed, _validation, feature_impl, torch_impl, triton_impl
+from flashattn_triton import (
+    _dispatch,
+    _inputs,
+    _launcher,
+    _masks,
+    _packed,
+    _validation,
+    feature_impl,
+    torch_impl,
+    triton_impl,
+)
 
 UNBOUNDED = -1
 
@@ -105,29 +114,47 @@ def uses_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _inputs.interpret_requested() and _launcher.triton_available()
 
 
-def _path(q: Tensor, k: Tensor, options: dict[str, Any]) -> str:
-    """Which implementation computes the problem: "torch" (torch_impl) where uses_triton is False; "tuned"
-    (triton_impl's tuned kernels) for plain or top-left causal attention and for a top-left band (a
-    sliding window, _window) where Tq = Tk, grouped-query or not, with or without dropout (a band's mask,
-    dropout's and the K/V head a query head reads are independent: the kernels apply all three, and a
-    row's dropout counters are its query head's, as in the PyTorch path); "varlen" (the tuned kernels'
-    packed sequences) for packed sequences, plain or causal, grouped-query or not, with or without
-    dropout, where _packed.supported; "features" (feature_impl) for every other problem (a
-    mask, packed sequences with a window or float32 at full accuracy, a bottom-right band)."""
-    if not uses_triton(q.device):
-        return "torch"
-    if options["attn_mask"] is not None:
-        return "features"
-    window_right, offset = options["window_right"], options["diagonal_offset"]
-    causal = window_right == 0 and offset == 0
-    plain_or_causal = options["window_left"] == UNBOUNDED and (window_right == UNBOUNDED or causal)
-    if options["cu_seqlens_q"] is not None:
-        window = None if plain_or_causal else (options["window_left"], window_right)
-        return "varlen" if _packed.supported(q, window) else "features"
-    if plain_or_causal:
-        return "tuned"
-    band = offset == 0 and q.shape[2] == k.shape[2]
-    return "tuned" if band else "features"
+_routes: dict[tuple, tuple[_dispatch.Description, str]] = {}  # by layout and options
+_MAX_ROUTES = 4096
+
+
+def recognise_mask(q: Tensor, k: Tensor, options: dict[str, Any]) -> dict[str, Any]:
+    """options with a mask that only encodes a top-left band (_masks) replaced by that band."""
+    mask = options["attn_mask"]
+    band = (options["window_left"], options["window_right"], options["diagonal_offset"])
+    if mask is None or options["cu_seqlens_q"] is not None or band != (UNBOUNDED, UNBOUNDED, 0):
+        return options
+    band = _masks.band_of_mask(mask, q.shape[-2], k.shape[-2], remember=getattr(_eager, "active", False))
+    if band is None:
+        return options
+    return {**options, "attn_mask": None, "window_left": band[0], "window_right": band[1]}
+
+
+def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
+           deterministic: bool = False) -> str:  # fmt: skip
+    """The backend (_dispatch) of a pass over tensors (q, k, v[, out, dO]), from its Description, which is
+    worked out once per layout and options."""
+    q, k = tensors[0], tensors[1]
+    mask, cu_seqlens = options["attn_mask"], options["cu_seqlens_q"]
+    window = (options["window_left"], options["window_right"])
+    key = (pass_name, q.dtype, _inputs.input_precision(q.dtype), q.device, q.shape, k.shape,
+           *(t.stride() for t in tensors), *(t.data_ptr() % 16 for t in tensors), mask is None, window,
+           options["diagonal_offset"], options["dropout_p"] > 0.0, None if cu_seqlens is None else
+           cu_seqlens.shape, options["max_seqlen_q"], options["max_seqlen_k"], deterministic)  # fmt: skip
+    route = _routes.get(key)
+    if route is None:
+        varlen = None if cu_seqlens is None else (cu_seqlens.numel() - 1, options["max_seqlen_q"],
+                                                  options["max_seqlen_k"])  # fmt: skip
+        if len(_routes) >= _MAX_ROUTES:
+            _routes.clear()
+        description = _dispatch.describe(
+            pass_name, q, k, tensors, mask=mask is not None, window=window,
+            diagonal_offset=options["diagonal_offset"], dropout=options["dropout_p"] > 0.0, varlen=varlen,
+            deterministic=deterministic)  # fmt: skip
+        _dispatch.log(description)
+        route = _routes[key] = (description, _dispatch.choose(description))
+    _dispatch.record(route[0])
+    return route[1]
 
 
 def _window(options: dict[str, Any]) -> tuple[int, int] | None:
@@ -162,11 +189,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                "max_seqlen_k": max_seqlen_k}  # fmt: skip
     if cu_seqlens_q is not None:
         _validation.check_packed_rows(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    path = _path(q, k, options)
-    if path == "torch":  # (PyTorch's results are contiguous: copied to q's layout where that differs)
+    options = recognise_mask(q, k, options)
+    window_right = options["window_right"]
+    backend = _route("fwd", (q, k, v), options)
+    if backend == _dispatch.TORCH:  # (PyTorch's results are contiguous: copied to q's layout if it differs)
         out, lse = torch_impl.attention_forward(q, k, v, **options)
         return _inputs.in_output_layout(out, q), lse
-    if path in ("tuned", "varlen"):
+    if backend in (_dispatch.TUNED, _dispatch.GLUON):
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state,
                                           packed=_packed_sequences(options))  # fmt: skip
@@ -187,11 +216,13 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                "max_seqlen_k": max_seqlen_k, "grad_lse": grad_lse}  # fmt: skip
     if cu_seqlens_q is not None:
         _validation.check_packed_rows(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    path = _path(q, k, options)
-    if path == "torch":
+    options = recognise_mask(q, k, options)
+    window_right = options["window_right"]
+    backend = _route("bwd", (q, k, v, out, grad_out), options, deterministic)
+    if backend == _dispatch.TORCH:
         grads = torch_impl.attention_backward(grad_out, q, k, v, out, lse, **options)
         return tuple(_inputs.in_output_layout(g, t) for g, t in zip(grads, (q, k, v), strict=True))
-    if path in ("tuned", "varlen"):
+    if backend in (_dispatch.TUNED, _dispatch.GLUON):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
                                            share_allocation=False, window=_window(options),
@@ -288,21 +319,32 @@ torch.library.register_autograd("flashattn_triton::attn_fwd", _backward, setup_c
                                 lib=_LIBRARY)  # fmt: skip
 
 
+_eager = threading.local()  # .active: inside _EagerAttention (masks read once per tensor: _masks)
+
+
 class _EagerAttention(torch.autograd.Function):
     """attn_fwd and its autograd, without the dispatcher (see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor]:
-        output = attention_forward(*inputs)
+        _eager.active = True
+        try:
+            output = attention_forward(*inputs)
+        finally:
+            _eager.active = False
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
         # Through the op only where a graph of the gradients is built; elsewhere the dispatcher (and
-        # _GradientsOnce's wrapper) is host time (decisions.md#once-differentiable).
+        # _GradientsOnce's wrapper) is host time.
         backward = _GradientsOnce.apply if torch.is_grad_enabled() else attention_backward
-        return _gradients(ctx, grad_out, grad_lse, backward)
+        _eager.active = True
+        try:
+            return _gradients(ctx, grad_out, grad_lse, backward)
+        finally:
+            _eager.active = False
 
 
 class _TransformedAttention(torch.autograd.Function):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from flashattn_triton import _hopper, _inputs, _launcher
+from flashattn_triton import _dispatch, _hopper, _inputs, _launcher
 from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._configs import BackwardConfig, ForwardConfig, dq_launch
 from flashattn_triton._dropout import check_rng, kept_scale, threshold
@@ -32,7 +32,6 @@ from flashattn_triton._planning import (
     band_of,
     band_span,
     candidates,
-    is_small_problem,
     kernel_band,
 )
 from flashattn_triton._validation import check_inputs, check_scale
@@ -47,6 +46,41 @@ def _sm_count(device: torch.device) -> int:
 
 _plans: dict[tuple, Plan] = {}
 _MAX_PLANS = 4096  # a process seeing ever new lengths starts over rather than growing without bound
+
+
+def describe_problem(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
+                     band: Band | None, dropout_p: float, deterministic: bool,
+                     varlen: tuple[int, int, int] | None, capability: tuple[int, int] | None | bool = False,
+                     ) -> tuple[_dispatch.Description, Problem]:  # fmt: skip
+    """The dispatch's Description of a tuned pass (_plan's arguments) and the Problem its configs are chosen
+    for: the Gluon kernels' candidates where the table chose them. capability: a described device's (see
+    _dispatch.describe; its SM count an H100's)."""
+    precision = _inputs.input_precision(q.dtype)
+    head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
+    if varlen is None:
+        batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
+        heads, kv_heads = q.shape[-3], tensors[1].shape[-3]
+    else:  # (total, H, d)
+        (batch, seqlen_q, seqlen_k), heads, kv_heads = varlen, q.shape[1], tensors[1].shape[1]
+        batch_heads = batch * heads
+    group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
+    layouts = tensors[:3] if pass_name == "fwd" else tensors[:5]  # (not cu_seqlens)
+    window = _dispatch.window_of(band, is_causal)
+    description = _dispatch.describe(pass_name, q, tensors[1], layouts, window=window,
+                                     dropout=dropout_p > 0.0, varlen=varlen, deterministic=deterministic,
+                                     capability=capability)  # fmt: skip
+    hopper = _dispatch.choose(description) == _dispatch.GLUON
+    if capability is False:
+        sm_count, interpret = (_sm_count(q.device) if q.is_cuda else 0), _launcher.interpreted()
+    else:
+        sm_count, interpret = H100_SMS, False
+    problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
+                      sm_count, interpret, hopper, deterministic, band_span(band, seqlen_q, seqlen_k),
+                      dropout_p > 0.0, group, varlen is not None)  # fmt: skip
+    return description, problem
+
+
+H100_SMS = 132  # (an H200's too)
 
 
 def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is_causal: bool,
@@ -78,28 +112,18 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             check_head_dim(q)
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
-        head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
-        if varlen is None:
-            batch_heads, seqlen_q, seqlen_k = q.shape[:-2].numel(), q.shape[-2], tensors[1].shape[-2]
-            heads, kv_heads = q.shape[-3], tensors[1].shape[-3]
-        else:  # (total, H, d)
-            (batch, seqlen_q, seqlen_k), heads, kv_heads = varlen, q.shape[1], tensors[1].shape[1]
-            batch_heads = batch * heads
-        group = 1 if heads == kv_heads else heads // kv_heads  # query heads per K/V head (none: 1)
-        # (small problems never run the Gluon kernels: their first call need not import Gluon)
-        hopper = (varlen is None and not is_small_problem(batch_heads, seqlen_q, seqlen_k, head_dim)
-                  and _hopper.supports(pass_name, q, tensors, head_dim, band))  # fmt: skip
-        problem = Problem(pass_name, batch_heads, seqlen_q, seqlen_k, head_dim, q.dtype, is_causal, precision,
-                          _sm_count(q.device) if q.is_cuda else 0, _launcher.interpreted(), hopper,
-                          deterministic, band_span(band, seqlen_q, seqlen_k), dropout_p > 0.0,
-                          group, varlen is not None)  # fmt: skip
+        description, problem = describe_problem(pass_name, q, tensors, is_causal, band, dropout_p,
+                                                deterministic, varlen)  # fmt: skip
+        head_dim = problem.head_dim
         if config is not None and config.hopper and not problem.uses_hopper:
-            raise ValueError(f"config {config}: {_hopper.refusal(pass_name, q, band, dropout_p)}")
+            raise ValueError(f"config {config}: the Gluon kernels do not run this problem: "
+                             f"{_dispatch.why_not(_dispatch.GLUON, description)}")
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
         # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
         # not where a gradient of L joins D, which the preprocess path adds).
         delta_from_o = problem.small and precision != "tf32x3" and not grad_lse
-        mask_args = {**kernel_band(band, seqlen_q, seqlen_k), "CAUSAL": is_causal and band is None,
+        mask_args = {**kernel_band(band, problem.seqlen_q, problem.seqlen_k),
+                     "CAUSAL": is_causal and band is None,
                      "dropout_threshold": threshold(dropout_p), "dropout_scale": kept_scale(dropout_p),
                      "DROPOUT": dropout_p > 0.0}  # fmt: skip
         host = _inputs.host_descriptors(q.device)
@@ -381,8 +405,7 @@ class FlashAttentionTriton(AttentionFunction):
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         # once_differentiable only under create_graph=True, where its gradients must refuse a second
-        # differentiation; elsewhere its wrapper is host time a small problem notices
-        # (decisions.md#once-differentiable).
+        # differentiation; elsewhere its wrapper is host time a small problem notices.
         return (_gradients_once if torch.is_grad_enabled() else _gradients)(ctx, grad_out)
 
 

@@ -2,7 +2,8 @@
 DistributedDataParallel.
 
 Four strategies for averaging gradients: naive, flat, overlapped and bucketed all-reduce;
-and FSDP, which shards parameters, gradients and optimizer state (ZeRO stage 3).
+and ``fully_shard`` (torch FSDP2's API), which shards parameters, gradients and optimizer state
+(ZeRO stage 3), with the assignment's ``FSDP`` wrapper over it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from minddp.after_backward import FlatDDP, NaiveDDP
 from minddp.base import DataParallel
 from minddp.buckets import GradBucket
 from minddp.fsdp import FSDP
+from minddp.fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from minddp.fsdp_memory import memory_report
+from minddp.fully_shard import FSDPModule, UnshardHandle, fully_shard
 from minddp.overlapped import BucketedDDP, OverlapDDP
 
 __version__ = "0.2.0"
@@ -38,6 +42,6 @@ def make_ddp(strategy: str, module: nn.Module, **kwargs: Any) -> DataParallel:
     return STRATEGIES[strategy](module, **kwargs)
 
 
-__all__ = ["FSDP", "STRATEGIES", "BucketedDDP", "DataParallel", "FlatDDP", "GradBucket", "NaiveDDP",
-           "OverlapDDP",
-           "make_ddp", "__version__"]
+__all__ = ["FSDP", "STRATEGIES", "BucketedDDP", "CPUOffloadPolicy", "DataParallel", "FSDPModule", "FlatDDP",
+           "GradBucket", "MixedPrecisionPolicy", "NaiveDDP", "OffloadPolicy", "OverlapDDP", "UnshardHandle",
+           "fully_shard", "make_ddp", "memory_report", "__version__"]

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from minddp.buckets import assign_buckets
+from minddp.buckets import assign_buckets_in_order
 from minddp.collectives import all_gather_objects, backend_per_device_type, broadcast_coalesced
 from minddp.nested import map_tensors, tensors_in
 from minddp.reducer import CommHook, Reducer
@@ -54,9 +54,9 @@ class DataParallel(nn.Module, Joinable):
         broadcast_buffers: copy rank 0's buffers to every rank at construction and at the start
             of every forward whose backward is averaged (BatchNorm statistics stay in step).
         find_unused_parameters: ``False``: every trainable parameter gets a gradient in every
-            averaged backward (no collective beyond the gradients'). ``True``: a parameter without
-            a gradient on some rank counts as zero there, and one no rank has a gradient for
-            keeps ``grad=None`` (one extra small all-reduce).
+            averaged backward. ``True``: a parameter without a gradient on some rank counts as
+            zero there, and one no rank has a gradient for keeps ``grad=None`` (the counts travel
+            in the step's closing flag all-reduce, see :mod:`minddp.reducer`).
         gradient_as_bucket_view: the ``.grad`` of a bucket's parameters are views of its flat
             buffer (no copy out after averaging); ``False`` copies.
     """
@@ -93,9 +93,9 @@ class DataParallel(nn.Module, Joinable):
         # parameters() yields a tied tensor once, so tied parameters are communicated once.
         named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named_params]
-        # Buckets fill in reverse parameter order, roughly the order backward produces gradients.
-        last = len(params) - 1
-        buckets = [[last - i for i in bucket] for bucket in assign_buckets(params[::-1], self.bucket_limits)]
+        # Buckets fill in reverse parameter order, roughly the order backward produces gradients, until the
+        # first averaged backward has shown the order (then the reducer rebuilds them in it).
+        buckets = assign_buckets_in_order(params, range(len(params) - 1, -1, -1), self.bucket_limits)
         self._check_same_on_every_rank(buckets)
 
         self._comm_device = self._device_for_collectives(first=next(iter([*params, *module.buffers()]), None))
@@ -104,7 +104,7 @@ class DataParallel(nn.Module, Joinable):
         average_in_collective = self._backends.get(device.type) in _BACKENDS_WITH_AVG
         self._reducer = Reducer(named_params, buckets, self.process_group, average_in_collective,
                                 self.overlap, self.gradient_as_bucket_view, self.find_unused_parameters,
-                                self._comm_device)
+                                self._comm_device, rebuild_limits=self.bucket_limits)
         self._sync_enabled = True  # torch DDP's require_backward_grad_sync: False inside no_sync()
         self._buffers_due = True  # torch DDP's require_forward_param_sync: the last forward was averaged
         self._divide_by_initial_world_size = True
@@ -113,6 +113,7 @@ class DataParallel(nn.Module, Joinable):
     # --- training ---------------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._reducer.settle_last_round()
         averaged = torch.is_grad_enabled() and self._sync_enabled
         if averaged:
             self._reducer.prepare_for_backward()
@@ -140,9 +141,24 @@ class DataParallel(nn.Module, Joinable):
                     tensor.register_hook(self._queue_finish)
         return output
 
+    def _apply(self, fn: Any, recurse: bool = True) -> DataParallel:
+        """``.to()``, ``.double()``, ``.cuda()``...: refused, before any tensor changes, where it would change
+        the dtype or device of a parameter or buffer (their buckets and checks were made for those)."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        for tensor in {(t.dtype, t.device): t for t in tensors}.values():
+            probe = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device))
+            if (probe.dtype, probe.device) != (tensor.dtype, tensor.device):
+                raise RuntimeError(
+                    f"{type(self).__name__}: this would turn {tensor.dtype} tensors on {tensor.device} into "
+                    f"{probe.dtype} on {probe.device} after wrapping, but the gradient buckets were laid out "
+                    "for the model as it was wrapped. Wrap after .to(): convert the model first, then wrap "
+                    f"it, as with torch DDP: {type(self).__name__}(model.to(...))")
+        return super()._apply(fn, recurse)
+
     @property
     def bucket_names(self) -> list[list[str]]:
-        """The parameter names of each bucket, in launch order."""
+        """The parameter names of each bucket, in launch order (rebuilt after the first averaged backward,
+        in the order it produced the gradients, unless ``find_unused_parameters``)."""
         return [list(bucket.names) for bucket in self._reducer.buckets]
 
     def _queue_finish(self, grad: torch.Tensor) -> None:
@@ -300,9 +316,11 @@ def bucket_limits(bucket_size_mb: float | None, argument: str, default: bool) ->
     whole bytes, after a first bucket of 1 MiB where the size is the ``default``; ``None``: one bucket."""
     if bucket_size_mb is None:
         return (math.inf,)
+    # 1e308 MiB is a finite size whose bytes are not: that too is refused here, not by int().
     if isinstance(bucket_size_mb, bool) or not (isinstance(bucket_size_mb, (int, float))
-                                                and 0 <= bucket_size_mb < math.inf):
-        raise ValueError(f"{argument} must be a non-negative number of MiB or None, got {bucket_size_mb!r}")
+                                                and 0 <= float(bucket_size_mb) * MiB < math.inf):
+        raise ValueError(f"{argument} must be a non-negative number of MiB whose bytes are finite (or None "
+                         f"for one bucket), got {bucket_size_mb!r}")
     cap = int(bucket_size_mb * MiB)
     return (min(cap, FIRST_BUCKET_BYTES), cap) if default else (cap,)
 

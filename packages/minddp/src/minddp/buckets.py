@@ -164,3 +164,11 @@ def assign_buckets(tensors: Sequence[torch.Tensor], limits: Sequence[float]) -> 
             closed.append(bucket.indices)
             bucket.indices, bucket.nbytes, bucket.closed = [], 0, bucket.closed + 1
     return closed + [bucket.indices for bucket in filling.values() if bucket.indices]
+
+
+def assign_buckets_in_order(tensors: Sequence[torch.Tensor], order: Sequence[int],
+                            limits: Sequence[float]) -> list[list[int]]:
+    """Indices of ``tensors`` bucketed by :func:`assign_buckets`'s rule, taking the tensors in ``order``
+    (every index once): reverse parameter order at construction, the order backward produced the
+    gradients once it has run (torch DDP's rebuilt buckets)."""
+    return [[order[i] for i in bucket] for bucket in assign_buckets([tensors[i] for i in order], limits)]

@@ -53,6 +53,9 @@ class FlatCollectives:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> dist.Work | None:
         """Fill ``full`` with every rank's ``shard``, in rank order."""
+        if self.world_size == 1:  # no collective: a kernel-launching no-op on NCCL
+            full.copy_(shard)
+            return None
         if self._flat_gather:
             return _all_gather_flat(full, shard, group=self.group, async_op=async_op)
         return dist.all_gather(list(full.chunk(self.world_size)), shard, group=self.group, async_op=async_op)
@@ -62,6 +65,8 @@ class FlatCollectives:
 
         ``full`` must stay untouched until the result is waited for (the fallback writes into it).
         """
+        if self.world_size == 1:
+            return PendingReduce(None, full, full, 1)
         op = dist.ReduceOp.AVG if self._average_in_place else dist.ReduceOp.SUM
         divide_by = 1 if self._average_in_place else self.world_size
         if self._flat_reduce:
@@ -73,6 +78,8 @@ class FlatCollectives:
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` over the ranks, in place."""
+        if self.world_size == 1:
+            return
         op = dist.ReduceOp.AVG if self._average_in_place else dist.ReduceOp.SUM
         dist.all_reduce(tensor, op=op, group=self.group)
         if not self._average_in_place and self.world_size > 1:

@@ -14,7 +14,9 @@
 calls ``fn(*args)`` inside an initialized default group and sends back its result. A worker's
 exception is raised here as :class:`WorkerError` naming its rank, with its traceback; a worker
 that dies without a result, likewise; past ``timeout_s`` every worker is killed and
-:class:`TimeoutError` names the ranks still running. Nothing is left behind to hang.
+:class:`TimeoutError` names the ranks still running. Nothing is left behind to hang: workers also
+end when the launching process dies, even by SIGKILL (the OOM killer, a scheduler), where no
+cleanup of its own runs, so no orphan keeps a GPU.
 
 :func:`launch` is the command-line form: under torchrun (``RANK`` and ``WORLD_SIZE`` set) it
 runs ``fn`` in this process instead, in torchrun's group, so a command written with ``launch``
@@ -24,11 +26,15 @@ runs unchanged on one host or on many; there rank 0 gets the result and the othe
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -104,7 +110,8 @@ def spawn(fn: Callable[..., T], nproc: int, args: Sequence[Any] = (), *, backend
     port = free_port()
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     procs = [ctx.Process(target=_worker, name=f"rank{rank}",
-                         args=(fn, tuple(args), rank, nproc, backend, port, timeout_s, threads, results))
+                         args=(fn, tuple(args), rank, nproc, backend, port, timeout_s, threads, results,
+                               os.getpid()))
              for rank in range(nproc)]
     for p in procs:
         p.start()
@@ -176,8 +183,44 @@ def _destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PARENT_POLL_S = 1.0
+
+
+def _parent_death_signal() -> bool:
+    """Ask Linux to SIGKILL this process when the thread that started it ends; whether that was possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, rank: int) -> None:
+    """Exit once this process's parent is no longer parent_pid: it died, and the orphan was adopted."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    print(f"minddp.launch: rank {rank}: the launching process {parent_pid} is gone; exiting",
+          file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _exit_with_parent(parent_pid: int, rank: int) -> None:
+    """End this worker when the launcher dies, however it dies: by the kernel's parent-death signal on Linux,
+    else by a thread watching the parent's pid. A launcher already gone (before the signal was asked for)
+    ends it here."""
+    if _parent_death_signal():
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        return
+    threading.Thread(target=_watch_parent, args=(parent_pid, rank), name="minddp-parent-watch",
+                     daemon=True).start()
+
+
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, nproc: int, backend: str, port: int,
-            timeout_s: float, threads: int, results: multiprocessing.Queue) -> None:
+            timeout_s: float, threads: int, results: multiprocessing.Queue, parent_pid: int) -> None:
+    _exit_with_parent(parent_pid, rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     try:

@@ -1,9 +1,12 @@
 """Profiling toolkit for PyTorch training.
 
-Timing, NVTX ranges, per-phase kernel summaries and memory timelines.
+Timing, NVTX ranges, per-phase kernel summaries, traces for Perfetto, communication and overlap
+from per-rank traces, and memory timelines and breakdowns.
 """
 
-from profkit import kernels, memory, nsys, nvtx
+from profkit import breakdown, comm, kernels, memory, nsys, nvtx, traces
+from profkit.breakdown import MemoryBreakdown, memory_breakdown
+from profkit.comm import CommReport, analyze_comm
 from profkit.kernels import (
     KernelReport,
     KernelTable,
@@ -21,14 +24,16 @@ from profkit.memory import (
 )
 from profkit.nsys import NsysNotFoundError, nsys_command, run_nsys
 from profkit.precision import autocast, autocast_dtype
-from profkit.timing import PhaseClock, Timing, run_steps, synchronize, time_phases, time_steps
+from profkit.timing import PhaseClock, PhaseMarker, Timing, run_steps, synchronize, time_phases, time_steps
+from profkit.traces import load_trace, trace, tracing
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "KernelReport", "KernelTable", "NsysNotFoundError", "PeakMemory", "PhaseClock", "Timing", "TraceEvent",
-    "autocast", "autocast_dtype", "is_matmul", "kernels", "memory", "nsys", "nsys_command", "nvtx",
-    "profile_phases", "read_peak_memory", "record_memory_history", "render_memory_timeline",
-    "reset_peak_memory", "run_nsys", "run_steps", "summarize_kernels", "synchronize", "time_phases",
-    "time_steps",
+    "CommReport", "KernelReport", "KernelTable", "MemoryBreakdown", "NsysNotFoundError", "PeakMemory",
+    "PhaseClock", "PhaseMarker", "Timing", "TraceEvent", "analyze_comm", "autocast", "autocast_dtype",
+    "breakdown", "comm", "is_matmul", "kernels", "load_trace", "memory", "memory_breakdown", "nsys",
+    "nsys_command", "nvtx", "profile_phases", "read_peak_memory", "record_memory_history",
+    "render_memory_timeline", "reset_peak_memory", "run_nsys", "run_steps", "summarize_kernels",
+    "synchronize", "time_phases", "time_steps", "trace", "traces", "tracing",
 ]

@@ -266,6 +266,31 @@ def events_from_kineto(raw_events: Iterable[Any]) -> list[TraceEvent]:
     return events
 
 
+def events_from_chrome(document: dict[str, Any]) -> list[TraceEvent]:
+    """:class:`TraceEvent`s from a Chrome trace (``export_chrome_trace``, or :func:`profkit.trace`'s file).
+
+    Ranges are the ``user_annotation`` events, operators the ``cpu_op`` ones, kernels the ``kernel``
+    ones, each launched by the operator with the same "External id". Times become integer ns.
+    """
+    def ns(value: Any) -> int:
+        return round(float(value) * 1e3)
+
+    complete = [e for e in document.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    kinds: dict[str, EventKind] = {"user_annotation": "range", "cpu_op": "op"}
+    launched_by = {e["args"]["External id"]: ns(e["ts"]) for e in complete
+                   if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    events = []
+    for e in complete:
+        category = e.get("cat")
+        if category in kinds:
+            thread = e.get("tid") if isinstance(e.get("tid"), int) else 0
+            events.append(TraceEvent(str(e["name"]), kinds[category], ns(e["ts"]), ns(e["dur"]), thread))
+        elif category == "kernel":
+            launch = launched_by.get(e.get("args", {}).get("External id"))
+            events.append(TraceEvent(str(e["name"]), "kernel", ns(e["ts"]), ns(e["dur"]), launch_ns=launch))
+    return events
+
+
 def _activity(raw: Any) -> str:
     """Kineto's activity type of an event; older torch lacks activity_type(), so infer it."""
     if hasattr(raw, "activity_type"):

@@ -141,12 +141,18 @@ def _format_frame(frame: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Allocation:
-    """A block live on positions [start, end) of the timeline (position t: after t events)."""
+    """A block live on positions [start, end) of the timeline (position t: after t events).
+
+    ``address`` is the block's device address (-1 when a free without its allocation gave only the
+    size), ``frames`` the stack that allocated it (empty when unknown).
+    """
 
     size: int
     start: int
     end: int
     label: str
+    address: int = -1
+    frames: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -191,7 +197,13 @@ def read_trace(snapshot: dict[str, Any], device: int | None = None) -> Trace:
     timed = [e for e in events if e["action"] != "oom"]
     n = len(timed)
     allocations: list[Allocation] = []
-    live: dict[int, tuple[int, int, str]] = {}  # addr -> (start, size, label)
+    # address -> (start, size, label, frames) of the blocks allocated now
+    live: dict[int, tuple[int, int, str, tuple[dict[str, Any], ...]]] = {}
+
+    def close(addr: int, end: int) -> None:
+        start, size, label, frames = live.pop(addr)
+        allocations.append(Allocation(size, start, end, label, addr, frames))
+
     oom_positions = []
     position = 0
     for event in events:
@@ -202,22 +214,21 @@ def read_trace(snapshot: dict[str, Any], device: int | None = None) -> Trace:
         addr, size = event["addr"], event["size"]
         if event["action"] == "alloc":
             if addr in live:  # its free fell out of a wrapped ring buffer: close it here
-                start, old_size, label = live.pop(addr)
-                allocations.append(Allocation(old_size, start, position, label))
-            live[addr] = (position, size, frame_label(event.get("frames", [])))
+                close(addr, position)
+            frames = tuple(event.get("frames", []))
+            live[addr] = (position, size, frame_label(frames), frames)
         elif addr in live:
-            start, size, label = live.pop(addr)
-            allocations.append(Allocation(size, start, position, label))
+            close(addr, position)
         else:
-            allocations.append(Allocation(size, 0, position, BEFORE_RECORDING))
-    for start, size, label in live.values():
-        allocations.append(Allocation(size, start, n + 1, label))
+            allocations.append(Allocation(size, 0, position, BEFORE_RECORDING, addr))
     live_addresses = set(live)
+    for addr in list(live):
+        close(addr, n + 1)
     for address, block in _blocks_at_end(snapshot, device):
         if address not in live_addresses:
-            frames = block.get("frames", [])
+            frames = tuple(block.get("frames", []))
             label = frame_label(frames) if frames else BEFORE_RECORDING
-            allocations.append(Allocation(block["size"], 0, n + 1, label))
+            allocations.append(Allocation(block["size"], 0, n + 1, label, address, frames))
     allocations.sort(key=lambda a: a.start)  # stable: equal starts keep their order
     return Trace(allocations, n, oom_positions)
 

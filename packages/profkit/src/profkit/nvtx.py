@@ -1,6 +1,8 @@
 """NVTX ranges for Nsight Systems timelines, and ways to add them to code you do not want to edit.
 
-Everything here is a no-op without CUDA, so annotated code runs unchanged on any machine.
+A range goes to NVTX when CUDA is available, and to torch.profiler (as a ``record_function``
+range) while a profiler records, so the same ranges show in Nsight Systems and in the traces of
+:mod:`profkit.traces`. Without either it costs one check, so annotated code runs unchanged anywhere.
 
     with profkit.nvtx.range("attention"): ...          # a context manager
     @profkit.nvtx.range("loss")                         # or a decorator
@@ -17,6 +19,7 @@ import builtins
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any, Protocol, TypeVar
@@ -26,7 +29,7 @@ from torch import nn
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["annotate_functions", "annotate_modules", "enabled", "range"]
+__all__ = ["annotate_functions", "annotate_modules", "enabled", "range", "traced_names"]
 
 
 class _Sink(Protocol):
@@ -43,12 +46,39 @@ _sink: Callable[[], _Sink | None] = _cuda_sink
 
 
 def enabled() -> bool:
-    """Whether ranges are emitted (CUDA is available)."""
+    """Whether ranges are emitted to NVTX (CUDA is available)."""
     return _sink() is not None
 
 
+# The names of the ranges sent to a profiler, so that a trace can tell profkit's ranges from
+# other record_function ranges; profkit.trace clears it when it starts recording.
+traced_names: set[str] = set()
+_Token = tuple["_Sink | None", "torch.autograd.profiler.record_function | None"]
+
+
+def _push(name: str) -> _Token:
+    """Open ``name`` in NVTX and in a running profiler; the token closes what was opened."""
+    sink = _sink()
+    if sink is not None:
+        sink.range_push(name)
+    profiled = None
+    if torch.autograd.profiler._is_profiler_enabled:
+        profiled = torch.autograd.profiler.record_function(name)
+        profiled.__enter__()
+        traced_names.add(name)
+    return sink, profiled
+
+
+def _pop(token: _Token) -> None:
+    sink, profiled = token
+    if profiled is not None:
+        profiled.__exit__(None, None, None)
+    if sink is not None:
+        sink.range_pop()
+
+
 class range:  # noqa: A001 - the name users expect, as torch.cuda.nvtx.range
-    """An NVTX range: ``with range("name"):`` or ``@range("name")``. No-op without CUDA."""
+    """A range: ``with range("name"):`` or ``@range("name")``, in NVTX and in a running profiler."""
 
     def __init__(self, name: str) -> None:
         if not isinstance(name, str) or not name:
@@ -56,15 +86,11 @@ class range:  # noqa: A001 - the name users expect, as torch.cuda.nvtx.range
         self.name = name
 
     def __enter__(self) -> range:
-        sink = _sink()
-        if sink is not None:
-            sink.range_push(self.name)
-        self._sink = sink
+        self._token = _push(self.name)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._sink is not None:
-            self._sink.range_pop()
+        _pop(self._token)
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -111,16 +137,24 @@ def annotate_modules(model: nn.Module, include: ModuleFilter | Iterable[str] | N
             handle.remove()
 
 
+# Module hooks open and close ranges in separate calls: the open ones wait here, per thread.
+_hook_tokens = threading.local()
+
+
+def _hook_stack() -> list[_Token]:
+    if not hasattr(_hook_tokens, "stack"):
+        _hook_tokens.stack = []
+    return _hook_tokens.stack
+
+
 def _push_hook(label: str, module: nn.Module, args: Any) -> None:
-    sink = _sink()
-    if sink is not None:
-        sink.range_push(label)
+    _hook_stack().append(_push(label))
 
 
 def _pop_hook(module: nn.Module, args: Any, output: Any) -> None:
-    sink = _sink()
-    if sink is not None:
-        sink.range_pop()
+    stack = _hook_stack()
+    if stack:
+        _pop(stack.pop())
 
 
 def resolve(dotted_name: str) -> tuple[Any, str]:

@@ -2,9 +2,9 @@
 
 A *step* is a callable that takes a ``phase`` function and wraps each part of its work in
 ``with phase("forward"): ...``. Every phase synchronizes the device before and after its body, so
-its time is the time of its own kernels, and is annotated with an NVTX range and a
-``torch.profiler.record_function`` range of the same name (which :mod:`profkit.kernels` uses to
-attribute kernels to phases). Work outside any phase is not timed.
+its time is the time of its own kernels, and is annotated with a :func:`profkit.nvtx.range` of the
+same name (NVTX, and a ``torch.profiler.record_function`` range while a profiler records, which
+:mod:`profkit.kernels` uses to attribute kernels to phases). Work outside any phase is not timed.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class PhaseClock:
         synchronize(self.device)
         if self.track_memory:
             reset_peak_memory(self.device)
-        with nvtx.range(name), torch.profiler.record_function(name):
+        with nvtx.range(name):
             start = timeit.default_timer()
             yield
             synchronize(self.device)
@@ -101,7 +101,22 @@ class PhaseClock:
         return {name: Timing.from_samples(samples) for name, samples in self.samples.items()}
 
 
-def run_steps(step: Step, warmup: int, steps: int, clock: PhaseClock,
+class PhaseMarker:
+    """A ``phase`` function that only marks phases (NVTX and profiler ranges): no timing, no sync.
+
+    What :func:`profkit.trace` hands to a step, so that a trace shows the step as it runs unprofiled,
+    with communication free to overlap across phase boundaries.
+    """
+
+    record = True
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        with nvtx.range(name):
+            yield
+
+
+def run_steps(step: Step, warmup: int, steps: int, clock: PhaseClock | PhaseMarker,
               measuring: AbstractContextManager[object] | None = None) -> None:
     """Call ``step(clock)`` ``warmup`` times unrecorded, then ``steps`` times recorded.
 

@@ -6,6 +6,7 @@ import copy
 import heapq
 import inspect
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any
@@ -24,6 +25,9 @@ StateDict = dict[str, Any]
 OVERLAP_BUCKET_BYTES = 25 * 2**20
 # Keys of a param group that are not hyperparameters.
 _GROUP_MEMBERS = ("params", "param_names")
+# The sizes of a probe parameter's dimensions: distinct and not 1, so that the shape of each state tensor
+# optimizer_cls keeps for the probe says which of the parameter's dimensions it follows.
+_PROBE_SIZES = (2, 3, 5, 7, 11, 13, 17, 19)
 
 
 def balanced_owners(sizes: Sequence[int], world_size: int) -> list[int]:
@@ -68,6 +72,35 @@ class StateOnRank(dict):
 
     def __reduce__(self) -> tuple[type[StateOnRank], tuple[int]]:
         return StateOnRank, (self.rank,)
+
+
+class _ShardState(defaultdict):
+    """The optimizer state (parameter -> its state) of the parameters this rank owns.
+
+    The local optimizer's ``state``, and the ShardedOptimizer's. A parameter another rank owns
+    raises a KeyError naming that rank, where a plain defaultdict would hand out an empty dict (so
+    that ``state[p]["exp_avg"]`` raised a bare KeyError on some ranks only). Its truth value says
+    whether the optimizer as a whole holds state, alike on every rank: ``torch.distributed.checkpoint``
+    initializes the state of an optimizer whose ``state`` is empty by stepping it, and a step must
+    run on every rank or on none (a rank that owns only frozen parameters never holds any).
+    """
+
+    owners: dict[torch.Tensor, tuple[int, int]] = {}  # parameter -> (index, owner rank), set per instance
+    rank = 0
+    held_anywhere = False
+
+    def __missing__(self, param: Any) -> dict[str, Any]:
+        index, owner = self.owners.get(param, (None, self.rank))
+        if owner != self.rank:
+            raise KeyError(
+                f"state: parameter {index} (shape {tuple(param.shape)}) is owned by rank {owner} of "
+                f"process_group, which holds its optimizer state; this is rank {self.rank}. Read it on "
+                f"rank {owner}, or call consolidate_state_dict(to=r) on every rank and read state_dict() "
+                "on rank r")
+        return super().__missing__(param)
+
+    def __bool__(self) -> bool:
+        return self.held_anywhere or len(self) > 0
 
 
 class _ShardForCheckpoint(dict):
@@ -165,6 +198,7 @@ class ShardedOptimizer(Optimizer):
         self._push_hyperparameters()
         loss = self.local_optimizer.step(closure, **kwargs) if closure is not None \
             else self.local_optimizer.step(**kwargs)
+        self.state.held_anywhere = True  # on every rank: the owners of trainable parameters hold state now
         overlap = self._overlap_with is not None
         self._pending = [all_gather_single(flat, flat.narrow(0, self.rank * shard_numel, shard_numel),
                                            group=self.process_group, async_op=overlap)
@@ -261,7 +295,7 @@ class ShardedOptimizer(Optimizer):
         assert local_state_dict is not None
         self._consolidated = None
         self.local_optimizer.load_state_dict(local_state_dict)
-        self.state = self.local_optimizer.state
+        self._install_state(self.local_optimizer, self.local_optimizer.state)
         for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             for key in [k for k in group if k not in _GROUP_MEMBERS]:
                 del group[key]
@@ -297,9 +331,54 @@ class ShardedOptimizer(Optimizer):
                 local_group["param_names"] = [group["param_names"][p - start] for p in positions]
             local_groups.append(local_group)
             start = end
-        local_state = {local_index[p]: saved_state[saved_ids[p]] for p in local_ids
-                       if saved_state.get(saved_ids[p])}
+        held = {p: saved_state[saved_ids[p]] for p in local_ids if saved_state.get(saved_ids[p])}
+        problem = self._unfit_state(held, saved_groups)
+        if problem:
+            return problem, None
+        local_state = {local_index[p]: state for p, state in held.items()}
         return None, {"state": local_state, "param_groups": local_groups}
+
+    def _unfit_state(self, states: dict[int, dict[str, Any]],
+                     saved_groups: list[dict[str, Any]]) -> str | None:
+        """Why ``states`` (global index -> saved state) cannot be this optimizer's, or None.
+
+        Each is compared with what ``optimizer_cls`` keeps after one step of a small probe parameter of
+        the same dtype and number of dimensions, under the saved group's hyperparameters: the same
+        keys (or it is another optimizer's state), and tensors of the parameter's shape where the
+        probe's follow its shape (or it is another model's).
+        """
+        params = self._params()
+        group_of = [g for g, group in enumerate(saved_groups) for _ in group["params"]]
+        probes: dict[tuple[int, int, torch.dtype], dict[str, Any] | str] = {}
+        for index, saved in states.items():
+            param, group = params[index], group_of[index]
+            if param.dim() > len(_PROBE_SIZES):
+                continue
+            key = (group, param.dim(), param.dtype)
+            if key not in probes:
+                probes[key] = self._probe_state(param, group, saved_groups[group])
+            expected = probes[key]
+            problem = expected if isinstance(expected, str) else _state_mismatch(
+                index, param, saved, expected, self.optimizer_cls.__name__)
+            if problem:
+                return problem
+        return None
+
+    def _probe_state(self, param: torch.Tensor, group: int,
+                     saved_group: dict[str, Any]) -> dict[str, Any] | str:
+        """The state ``optimizer_cls`` keeps for a probe like ``param`` after one step (or why it cannot)."""
+        ours = _hyperparameters(self.param_groups[group])
+        hyperparameters = {**ours, **{k: v for k, v in saved_group.items() if k in ours}}
+        probe = torch.zeros(_PROBE_SIZES[:param.dim()], dtype=param.dtype, device=param.device,
+                            requires_grad=True)
+        probe.grad = torch.ones_like(probe)
+        try:
+            optimizer = self.optimizer_cls([{**hyperparameters, "params": [probe]}], **self._optimizer_kwargs)
+            optimizer.step()
+        except Exception as error:  # reported on every rank by load_state_dict, rather than raised here alone
+            return (f"state_dict: {self.optimizer_cls.__name__} cannot step a parameter with the "
+                    f"hyperparameters of the saved param group {group} ({type(error).__name__}: {error})")
+        return dict(optimizer.state[probe])
 
     # --- sharding -----------------------------------------------------------------------------------
 
@@ -423,15 +502,26 @@ class ShardedOptimizer(Optimizer):
             local_groups.append(local_group)
             start += len(group["params"])
         optimizer = self.optimizer_cls(local_groups, **self._optimizer_kwargs)
-        for index, state in states.items():
-            optimizer.state[params[index]] = state
         self._local_optimizer = optimizer
-        self.state = optimizer.state
+        self._install_state(optimizer, {**optimizer.state, **{params[i]: s for i, s in states.items()}})
         self.defaults = {**optimizer.defaults, **self.defaults}
         # Show the optimizer's own defaults (betas, eps, ...) in our groups, as optimizer_cls would.
         for group, local in zip(self.param_groups, optimizer.param_groups, strict=True):
             for key, value in _hyperparameters(local).items():
                 group.setdefault(key, value)
+
+    def _install_state(self, optimizer: Optimizer, entries: dict[torch.Tensor, dict[str, Any]]) -> None:
+        """Make ``entries`` the state of ``optimizer`` and of this ShardedOptimizer (a :class:`_ShardState`).
+
+        Every rank calls it (construction, add_param_group, load_state_dict): one object all-gather
+        agrees on whether some rank holds state.
+        """
+        state = _ShardState(dict, entries)
+        state.owners = {p: (i, owner) for i, (p, owner) in
+                        enumerate(zip(self._params(), self._owners, strict=True))}
+        state.rank = self.rank
+        state.held_anywhere = any(all_gather_objects(len(state) > 0, self.process_group, self.device))
+        optimizer.state = self.state = state
 
     def _push_hyperparameters(self) -> None:
         """Carry hyperparameter changes made on our groups (LR schedulers, users) to the local optimizer."""
@@ -537,6 +627,33 @@ def _check_state_dict(state_dict: Any, groups: list[dict[str, Any]]) -> list[dic
         raise ValueError(f"state_dict: its param groups hold {saved_sizes} parameters, "
                          f"this optimizer's hold {sizes}")
     return saved
+
+
+def _state_mismatch(index: int, param: torch.Tensor, saved: dict[str, Any], expected: dict[str, Any],
+                    optimizer_name: str) -> str | None:
+    """Why the ``saved`` state of parameter ``index`` is not what ``expected`` (a probe's) says, or None."""
+    if saved.keys() != expected.keys():
+        return (f"state_dict: the state of parameter {index} holds {sorted(saved)} where {optimizer_name} "
+                f"keeps {sorted(expected)}: is it another optimizer's state dict?")
+    for key, probe_value in expected.items():
+        value = saved[key]
+        if not (isinstance(probe_value, torch.Tensor) and isinstance(value, torch.Tensor)):
+            continue
+        shape = _shape_for(tuple(probe_value.shape), tuple(param.shape))
+        if shape is not None and tuple(value.shape) != shape:
+            return (f"state_dict: state[{index}][{key!r}] has shape {tuple(value.shape)} where "
+                    f"{optimizer_name} keeps {shape} for parameter {index} of shape {tuple(param.shape)}: "
+                    "is it another model's state dict?")
+    return None
+
+
+def _shape_for(probe_shape: tuple[int, ...], param_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape a state tensor of ``probe_shape`` (kept for a probe) has for a parameter of ``param_shape``;
+    None where a size follows none of the probe's dimensions (nothing to compare)."""
+    sizes = _PROBE_SIZES[:len(param_shape)]
+    if any(size != 1 and size not in sizes for size in probe_shape):
+        return None
+    return tuple(1 if size == 1 else param_shape[sizes.index(size)] for size in probe_shape)
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -8,8 +8,24 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from benchmarks.common import DEFAULT_RESULTS_DIR, console, make_parser, parse_args, write_atomically
-from benchmarks.report.core import Context, ResultFile, Section, choose_device, load_results, render_tables
+from benchmarks.common import (
+    DEFAULT_RESULTS_DIR,
+    ResultsNotSaved,
+    check_writable,
+    console,
+    make_parser,
+    parse_args,
+    write_atomically,
+)
+from benchmarks.report.core import (
+    RESULTS_GLOB,
+    Context,
+    ResultFile,
+    Section,
+    choose_device,
+    load_results,
+    render_tables,
+)
 from benchmarks.report.registry import SECTIONS
 
 
@@ -115,7 +131,10 @@ def build_report(results_dir: Path, out: Path,
     if skipped:
         header += ["**Not read**: these files do not parse as results files (cut short or torn), so nothing "
                    "below comes from them; measure them again:", "", *(f"- `{s}`" for s in skipped), ""]
-    write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    try:
+        write_atomically(out, "\n".join(header + body).rstrip() + "\n")
+    except OSError as exc:
+        raise ResultsNotSaved(out, exc) from exc
     if unreadable is not None:
         unreadable += skipped
     return out, plots
@@ -158,10 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the report; plots are written beside it. The committed docs/report.md is "
                              "rebuilt only when asked: --results-dir results --out docs/report.md")
     args = parse_args(parser, argv, writes_results=False)
-    unreadable: list[str] = []
+    # A report from no results reads "not measured yet" throughout: never let it replace a real one.
     if not args.results_dir.is_dir():
-        console.print(f"[yellow]--results-dir {args.results_dir} does not exist: every section will say "
-                      "'not measured yet'[/yellow]")
+        parser.error(f"--results-dir {args.results_dir}: no such folder")
+    if not any(args.results_dir.glob(RESULTS_GLOB)):
+        parser.error(f"--results-dir {args.results_dir}: no results files (<device>/<name>.csv) in it")
+    if not args.no_save:
+        check_writable(parser, "--out", args.out)
+    unreadable: list[str] = []
     if args.no_save:  # build it where it harms nothing, show the text
         with tempfile.TemporaryDirectory() as scratch:
             path, _ = build_report(args.results_dir, Path(scratch) / args.out.name, unreadable)

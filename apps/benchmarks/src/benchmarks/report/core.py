@@ -30,6 +30,7 @@ SPEED_NEEDS_A_GPU = ("- Speed: not read from this CPU run. Its timings (a few st
                      "shared cores) are in the table, marked where the noise rule flags them; speed needs "
                      "a GPU run.")
 FLOAT_TEXT = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?\d+)?")  # 2.5, 4.59e14; not 16384
+RESULTS_GLOB = "*/*.csv"  # <results-dir>/<device>/<name>.csv, as save_results writes them
 MAX_TABLE_ROWS = 60
 
 
@@ -49,7 +50,7 @@ def load_results(results_dir: Path, unreadable: list[str] | None = None) -> list
     reason appended to ``unreadable``: its numbers must not reach the report as NaN cells.
     """
     files = []
-    for path in sorted(Path(results_dir).glob("*/*.csv")):
+    for path in sorted(Path(results_dir).glob(RESULTS_GLOB)):
         try:
             df, meta = read_results(path)
         except (UnreadableResults, OSError) as exc:

@@ -1,4 +1,5 @@
-"""Data-parallel training strategies: step time against one device, and the bucket model's prediction."""
+"""Data-parallel training strategies: step time against one device, communication and its overlap with
+compute from per-rank traces, and the bucket model's prediction."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pandas as pd
 
-from benchmarks.common import NOISE, with_noise_marked, within_noise
+from benchmarks.common import NOISE, within_noise
 from benchmarks.report.allreduce import fit_allreduce
 from benchmarks.report.core import (
     Context,
@@ -19,6 +20,9 @@ from benchmarks.report.core import (
     prefixed,
     style,
 )
+from benchmarks.report.overlap import overlap_panel, overlap_sentence
+
+TRACED = ["comm ms", "exposed comm ms", "overlap %"]  # benchmarks.overlap's columns that are drawn
 
 
 def ddp_labels(df: pd.DataFrame) -> pd.Series:
@@ -37,22 +41,29 @@ def ddp_labels(df: pd.DataFrame) -> pd.Series:
 
 
 def noise_flags(df: pd.DataFrame) -> pd.Series:
-    """Rows whose difference from one device is noise by the rule every table applies
+    """Rows whose step time differs from one device's by noise, by the rule every table applies
     (:func:`benchmarks.ddp.noise_against_single`); none where the results lack the columns it reads."""
     from benchmarks.ddp import noise_against_single
 
     if not {"strategy", "step ms", "step std"} <= set(df.columns):
         return pd.Series(False, index=df.index)
-    numbers = [c for c in ("step ms", "step std", "overhead ms") if c in df.columns]
-    rows = df.assign(**{c: numeric(df[c]) for c in numbers}).to_dict("records")
-    return pd.Series(noise_against_single(rows), index=df.index, dtype=bool)
+    return pd.Series(noise_against_single(numeric_rows(df)), index=df.index, dtype=bool)
+
+
+def numeric_rows(df: pd.DataFrame) -> list[dict[str, object]]:
+    """The table's rows as ``python -m benchmarks.ddp`` held them: step times and bucket sizes as numbers."""
+    numbers = [c for c in ("step ms", "step std", "bucket MiB", "x single", "x torch") if c in df.columns]
+    return df.assign(**{c: numeric(df[c]) for c in numbers}).to_dict("records")
 
 
 def noise_marked(df: pd.DataFrame) -> pd.DataFrame:
-    """The table as the report shows it: on noisy rows, the differences read '~0 (noise)' and the ratios
-    '~1 (noise)' (as ``python -m benchmarks.ddp`` prints them)."""
-    near = {"exposed comm ms": "~0", "overhead ms": "~0", "x single": "~1"}
-    return with_noise_marked(df, noise_flags(df), [*near, "/ torch"], near)
+    """The table as the report shows it: ratios to one device or to torch DDP that are noise read
+    '~1 (noise)', as ``python -m benchmarks.ddp`` prints them."""
+    from benchmarks.ddp import shown_with_noise
+
+    if not {"strategy", "step ms", "step std", "bucket MiB"} <= set(df.columns):
+        return df
+    return shown_with_noise(numeric_rows(df))
 
 
 def against_single(row: pd.Series, ref: float) -> str:
@@ -86,16 +97,15 @@ def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]
     lines = [f"- One device alone (same per-device batch): {ref:.4g} ms per step. Fastest data-parallel: "
              f"{best['label']} {best['step']:.4g} ms ({against_single(best, ref)}); "
              f"slowest: {worst['label']} {worst['step']:.4g} ms ({against_single(worst, ref)})."]
-    if "exposed comm ms" in df:
-        exposed = [f"~0 {NOISE}" if r["noise"] else f"{float(r['exposed comm ms']):.3g} ms"
-                   for _, r in dist.iterrows()]
-        pairs = zip(dist["label"], exposed, strict=True)
-        lines.append("- Communication not hidden behind backward (step - single): "
-                     + ", ".join(f"{label} {e}" for label, e in pairs) + ".")
+    if set(TRACED) <= set(df.columns):
+        sentence = overlap_sentence(dist["label"], *(dist[c] for c in TRACED))
+        lines.append(sentence or "- The traces hold no communication on the device: with one rank an "
+                     "all-reduce moves nothing (NCCL launches no kernel): nothing to overlap; the "
+                     "step times above are the wrappers' own cost.")
     if dist["noise"].any():
         lines.append(f"- Noise: {int(dist['noise'].sum())} of {len(dist)} strategies differ from one device "
-                     "by less than the spread of that difference (from the std of the steps); their sign "
-                     "and ratio are not findings. More steps, or a GPU, tell them apart.")
+                     f"by less than the spread of that difference (from the std of the steps, {NOISE}); "
+                     "their sign and ratio are not findings. More steps, or a GPU, tell them apart.")
     bucketed = dist[dist["strategy"] == "bucketed"]
     torch_ddp = dist[dist["strategy"] == "torch"]
     if len(bucketed):
@@ -146,7 +156,8 @@ def ddp_prediction(ctx: Context, f: ResultFile, bucketed: pd.DataFrame) -> str |
 def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
     bucketed = df[(df["strategy"] == "bucketed") & df["step"].notna()]
     sweep = "bucket MiB" in df and bucketed["bucket MiB"].nunique() > 1
-    fig, panels = axes(2 if sweep else 1)
+    traced = set(TRACED) <= set(df.columns)
+    fig, panels = axes(1 + traced + sweep)
     ax = panels[0]
     rows = df[df["step"].notna()]
     std = numeric(rows["step std"]) if "step std" in rows else None
@@ -154,8 +165,11 @@ def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
     ax.barh(rows["label"], rows["step"], xerr=std, color=colors)
     ax.invert_yaxis()
     style(ax, "step time (ms), mean ± std", "", "Step time per strategy", logx=False, logy=False)
+    if traced:
+        shown = rows[rows["strategy"] != "single"]
+        overlap_panel(panels[1], shown["label"], *(shown[c] for c in TRACED))
     if sweep:
-        ax = panels[1]
+        ax = panels[-1]
         b = bucketed.sort_values("bucket MiB")
         std = numeric(b["step std"]) if "step std" in b else None
         ax.errorbar(numeric(b["bucket MiB"]), b["step"], yerr=std, marker="o", label="bucketed")
@@ -164,7 +178,7 @@ def ddp_plot(ctx: Context, df: pd.DataFrame) -> str:
             if ref.notna().any():
                 ax.axhline(float(ref.iloc[0]), color=color, ls="--", label=f"{name}")
         style(ax, "bucket size (MiB)", "step time (ms)", "Bucketed DDP: bucket size", logy=False)
-    return ctx.figure("ddp_step_time", fig, "DDP step time per strategy and bucket size")
+    return ctx.figure("ddp_step_time", fig, "DDP step time, communication overlap per strategy, bucket size")
 
 
 SECTION = Section(

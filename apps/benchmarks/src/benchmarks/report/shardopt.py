@@ -1,4 +1,4 @@
-"""Optimizer-state sharding: memory per rank, time per iteration, and the goals."""
+"""Optimizer-state sharding: memory per rank, time per iteration, its communication overlap, the goals."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pandas as pd
 from benchmarks.report.core import (
     Context,
     Section,
+    axes,
     in_prose,
     missing_columns,
     missing_note,
@@ -16,8 +17,10 @@ from benchmarks.report.core import (
     stacked_bars,
     times_less,
 )
+from benchmarks.report.overlap import overlap_panel, overlap_sentence
 
 SHARDOPT_PARTS = ["parameters_MB", "gradients_MB", "optimizer_state_MB", "other_MB"]
+TRACED = ["comm_ms", "exposed_comm_ms", "overlap_pct"]  # benchmarks.shardopt's columns from traces
 
 
 def render_shardopt(ctx: Context) -> list[str]:
@@ -46,6 +49,7 @@ def render_shardopt(ctx: Context) -> list[str]:
                 speed.append(f"- ShardedOptimizer against ZeroRedundancyOptimizer: {delta * 100:+.1f}% per "
                              "iteration.")
             lines += ctx.speed(*speed)
+        lines += overlap_lines(ctx, df)
         lines.append("")
     if goal is not None:
         lines += ctx.table(goal, "Goals")
@@ -63,6 +67,18 @@ def render_shardopt(ctx: Context) -> list[str]:
 def is_time(criterion: str) -> bool:
     """Whether a goal's criterion compares times ('... step <= ... step (ms)'): not a CPU run's to judge."""
     return criterion.endswith("(ms)")
+
+
+def overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
+    """Each optimizer's communication per iteration, overlapped and exposed: a sentence and a plot."""
+    if missing_columns(df, ["optimizer", *TRACED]):
+        return []
+    sentence = overlap_sentence(df["optimizer"], *(df[c] for c in TRACED), unit="iteration")
+    if sentence is None:
+        return []
+    fig, (ax,) = axes(1)
+    overlap_panel(ax, df["optimizer"], *(df[c] for c in TRACED), unit="iteration")
+    return [sentence, "", ctx.figure("shardopt_overlap", fig, "communication overlap per optimizer")]
 
 
 def shardopt_memory_findings(ctx: Context, df: pd.DataFrame) -> list[str]:

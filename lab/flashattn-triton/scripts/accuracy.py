@@ -1,6 +1,6 @@
 """float32 accuracy of flash_attention's forward and backward against float64, next to SDPA's float32.
 
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/accuracy.py
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/accuracy.py
 
 Per shape (batch*heads, T, d), causal, with float32 matmuls at "highest" precision: the relative
 Frobenius error |got - want| / |want| of O, dQ, dK and dV, want computed by SDPA in float64 from the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on one backward kernel of (16, 16384, 64) bf16 causal: where its warps stall
 # (decisions.md#bwd-latency-variants). Tuning off: the default Triton-language config is the one profiled.
-#   OUT=/some/dir bash packages/flashattn-triton/scripts/ncu_backward.sh
+#   OUT=/some/dir bash lab/flashattn-triton/scripts/ncu_backward.sh
 set -uo pipefail
 export PYTHONPATH=$PWD/packages/flashattn-triton/src PYTHONUNBUFFERED=1 FLASHATTN_TRITON_AUTOTUNE=0
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"

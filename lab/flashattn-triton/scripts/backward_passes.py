@@ -3,7 +3,7 @@ the float32 dQ sum), the same as zero_() then a D-only pass, the dQ conversion, 
 GPU time a call (_launcher.gpu_milliseconds, the tuner's timer; median of 5); then the persistent window
 schedule's balance, counted in steps.
 
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/backward_passes.py \
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/backward_passes.py \
         [--heads 16] [--seqlen 16384] [--window 1024]
 """
 

@@ -5,8 +5,8 @@ d = 64, 16 heads at T = 16384, causal and with a causal sliding window of 1024 (
 the first candidate's results are the reference), and xl's attention at T = 2048 and 4096 (25 heads, causal,
 (B, T, H, d) memory as the model's views are). bf16.
 
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/gluon_candidates.py
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/gluon_candidates.py \
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/gluon_candidates.py
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/gluon_candidates.py \
         --pass fwd --problems xl-2048,mha-16-d64-window-1024
 
 The candidates are _planning.candidates(problem), the list the launcher tunes among; each is timed as the

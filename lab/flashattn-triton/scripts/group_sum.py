@@ -4,7 +4,7 @@ at its default tile rows and at half and twice as many, into contiguous sums and
 memory. bf16, issue 20's problems; each result compared bitwise with torch.sum's, and both with the float64
 sum rounded once (float32 sums in another order may round an ulp apart).
 
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/group_sum.py
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/group_sum.py
 
 Times are _launcher.gpu_milliseconds's (GPU time a call, host time excluded), TB/s the bytes read and
 written (every per-head gradient once, every sum once) over that time.

@@ -40,7 +40,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 
-KERNELS = Path(__file__).resolve().parents[1] / "src/flashattn_triton/_kernels.py"
+KERNELS = Path(__file__).resolve().parents[3] / "packages/flashattn-triton/src/flashattn_triton/_kernels.py"
 BIN = Path(triton.__file__).parent / "backends/nvidia/bin"
 TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 # The dropout arguments (unused, and compiled out, without the dropout flag): p = 0.1's threshold is an i32.

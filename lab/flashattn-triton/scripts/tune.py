@@ -1,6 +1,6 @@
 """Time every candidate config of the Triton kernels on this GPU, next to SDPA's flash and cuDNN backends.
 
-    PYTHONPATH=packages/flashattn-triton/src python packages/flashattn-triton/scripts/tune.py --out tune.csv
+    PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/tune.py --out tune.csv
 
 The candidates are _planning.candidates(problem), the function the launcher tunes among at run time.
 A pool of worker processes first compiles every candidate for the shapes' specializations (Triton's
@@ -11,7 +11,7 @@ triton.testing.do_bench (median) and its result checked against SDPA's; the tabl
 drops probabilities (SDPA's too), the candidates are those of dropout problems, and results are checked
 against the PyTorch path with the same (seed, offset) instead, which drops the same ones:
 
-    python packages/flashattn-triton/scripts/tune.py --shapes 32x4096x64 --fp32-shapes "" --dropout 0.1
+    python lab/flashattn-triton/scripts/tune.py --shapes 32x4096x64 --fp32-shapes "" --dropout 0.1
 """
 
 from __future__ import annotations

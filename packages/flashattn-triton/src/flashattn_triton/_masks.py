@@ -1,0 +1,97 @@
+"""Masks that only encode a band: a causal mask, or a sliding window, materialized as a tensor.
+
+Libraries build such masks where they cannot pass ``is_causal`` (transformers does while torch.compile traces
+a model, even with no padding), and a mask sends a problem to the feature kernels. ``band_of_mask`` reads a
+mask's values once and says which top-left band it is, so that the problem runs as that band. Reading the
+values syncs with the GPU once: eagerly, once per mask tensor (a model's layers share one mask, and the
+backward gets the forward's); in a compiled graph, on every call (see band_of_mask); never while a CUDA graph
+is captured or a compile traces. Pass is_causal or window_size where you can: they cost nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+UNBOUNDED = -1
+
+# Masks already read, by id(): a weak reference to the tensor, its version counter then, and its band.
+_SEEN: dict[int, tuple[weakref.ref, int, tuple[int, int] | None]] = {}
+_MAX_SEEN = 64
+
+
+def _readable(mask: torch.Tensor) -> bool:
+    """Whether the mask's values may be read now: a plain tensor on a real device, no trace, no capture."""
+    if type(mask) is not torch.Tensor or mask.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+        return False
+    return not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def band_mask(seqlen_q: int, seqlen_k: int, band: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The (Tq, Tk) bool mask of the top-left band (left, right): query i sees keys i - left .. i + right."""
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    left, right = band
+    seen = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left != UNBOUNDED:
+        seen &= cols >= rows - left
+    if right != UNBOUNDED:
+        seen &= cols <= rows + right
+    return seen
+
+
+def _read_band(mask: torch.Tensor) -> tuple[int, int] | None:
+    """The band mask encodes, read with one synchronization: mask must be one (Tq, Tk) pattern over its
+    leading dims, each value "see" or "hide" (bool; float 0, or -inf or the dtype's lowest value, which hides
+    a key exactly wherever its row sees another key), and equal to the band that its first row's last key
+    (the right bound) and its last row's first key (the left bound) give; a bound that reaches the edge is
+    unbounded (the same mask)."""
+    lead = mask.shape[:-2]
+    first = mask[(0,) * len(lead)]
+    seqlen_q, seqlen_k = first.shape
+    checks = []
+    if mask.dtype == torch.bool:
+        visible = first
+    else:
+        checks.append(((mask == 0) | (mask <= torch.finfo(mask.dtype).min)).all())
+        visible = first == 0
+    if any(n > 1 and stride != 0 for n, stride in zip(lead, mask.stride()[:-2], strict=True)):
+        checks.append((mask == first).all())  # (broadcast dims, stride 0, repeat it by construction)
+    last_of_first_row = seqlen_k - 1 - visible[0].flip(0).to(torch.uint8).argmax()
+    first_of_last_row = visible[-1].to(torch.uint8).argmax()
+    # Unbounded sides as a bound that reaches every key.
+    right = torch.where(last_of_first_row >= seqlen_k - 1, seqlen_k, last_of_first_row)
+    left = torch.where(first_of_last_row == 0, seqlen_q, seqlen_q - 1 - first_of_last_row)
+    rows = torch.arange(seqlen_q, device=mask.device)[:, None]
+    cols = torch.arange(seqlen_k, device=mask.device)[None, :]
+    checks.append((visible == ((cols >= rows - left) & (cols <= rows + right))).all())
+    ok, left, right = torch.stack([torch.stack(checks).all().long(), left, right]).tolist()
+    if not ok:
+        return None
+    # (a band whose first and last rows see a key gives every row one: so float masks qualify too)
+    return UNBOUNDED if left >= seqlen_q else left, UNBOUNDED if right >= seqlen_k else right
+
+
+def band_of_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, remember: bool = True,
+                 ) -> tuple[int, int] | None:  # fmt: skip
+    """(left, right) of the top-left band that mask (4-D, broadcastable to (B, H, Tq, Tk)) encodes, -1
+    unbounded; None where it encodes something else, or its values cannot be read now (see the module
+    docstring). Only bands whose first and last query rows see a key are recognised: every row of such a
+    band sees one, so a float mask's lowest value hides exactly what the band hides. remember: keep the
+    answer for this tensor until its version changes (eager calls: a tensor changes its values only
+    through ops that bump its version; a compiled graph may write a dead buffer in place, so its calls
+    read every mask)."""
+    if mask.shape[-2:] != (seqlen_q, seqlen_k) or not _readable(mask) or not seqlen_q or not seqlen_k:
+        return None
+    seen = _SEEN.get(id(mask)) if remember else None
+    if seen is not None and seen[0]() is mask and seen[1] == mask._version:
+        return seen[2]
+    band = _read_band(mask)
+    if remember:
+        if len(_SEEN) >= _MAX_SEEN:
+            _SEEN.clear()
+        _SEEN[id(mask)] = (weakref.ref(mask), mask._version, band)
+    return band
