@@ -382,7 +382,7 @@ def skip_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def skipped(ranks) -> list[dict[str, Any]]:
-    return ranks(skip_on_one_rank, 2, timeout=180)
+    return ranks(skip_on_one_rank, 2)
 
 
 @pytest.mark.parametrize("name", [skip_case_name(*case) for case in SKIP_CASES])
