@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = not (isinstance(status, int) and status != 0)  # mains return an exit status, a table or None
             outcomes.append((name, "ok" if ok else "FAILED", time.perf_counter() - start))
         except (Exception, ResultsNotSaved, NothingMeasured):  # a save failed or refused: only this one ends
-            console.print(traceback.format_exc(), style="red", markup=False, highlight=False)  # '[...]' is text
+            # as text: a gloo traceback's '[/.../pair.cc:537]' is not markup
+            console.print(traceback.format_exc(), style="red", markup=False, highlight=False)
             outcomes.append((name, "FAILED", time.perf_counter() - start))
     console.rule("[bold]tour")
     width = max(len(name) for name, _, _ in outcomes) if outcomes else 0
