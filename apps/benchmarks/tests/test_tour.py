@@ -51,3 +51,18 @@ def test_the_tour_and_the_readme_commands_leave_a_checkout_clean(checkout):
     assert (checkout / "docs" / "report.md").read_text() == "# the committed report\n"
     # each section heading is followed by its whole command, on a line of its own
     assert "$ python -m benchmarks.report --results-dir out/tour --out out/tour/report.md\n" in tour
+
+
+def test_a_failed_experiment_is_reported_and_the_tour_goes_on(monkeypatch, capsys):
+    """A gloo error's text ('[/.../pair.cc:537] Connection closed by peer') was read as rich markup: the
+    tour itself died with a MarkupError instead of naming the failed experiment."""
+    from benchmarks import accounting, precision, tour
+
+    def fails(argv):
+        raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Connection closed")
+
+    monkeypatch.setattr(precision, "main", fails)
+    assert tour.main(["--only", "precision,accounting", "--no-save"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pair.cc:537] Connection closed" in out and "failed: precision" in out
+    assert accounting.TOUR_ARGS == [] and "accounting ok" in out  # the next experiment still ran
