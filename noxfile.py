@@ -83,13 +83,15 @@ def torch_floor(dist: str) -> str | None:
     return match.group(1) if match else None
 
 
-def install_local(session: nox.Session, dists: list[str], editable: bool = False) -> None:
-    """Install local packages (with their test extras) in one pip call, so names resolve to the repo."""
+def install_local(session: nox.Session, dists: list[str], editable: bool = False, extras: str = "[test]",
+                  silent: bool | None = None) -> None:
+    """Install local packages (with ``extras``) in one pip call, so names resolve to the repo;
+    ``silent=False`` shows pip's lines as it goes (what it downloads, builds and installs)."""
     args = []
     for dist in dists:
-        path = f"./{PACKAGES[dist][0]}[test]"
+        path = f"./{PACKAGES[dist][0]}{extras}"
         args += ["-e", path] if editable else [path]
-    session.install(*args)
+    session.install(*args, silent=silent)
 
 
 def package_test_session(dist: str):
@@ -111,7 +113,10 @@ for _name, _dist in [("flash", "flashattn-triton"), ("minddp", "minddp"), ("shar
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests in tests/, in one pytest run (a clean venv)."""
+    session.log(f"set-up 1/2: {TORCH_SPEC} into .nox/tests (a no-op once there)")
     install_torch(session)
+    session.log("set-up 2/2: the five packages of this repository, editable, with their test extras "
+                "(pytest, Triton for the interpreter tests) and packaging for tests/")
     install_local(session, list(PACKAGES), editable=True)
     session.install("packaging>=23")  # tools/release_checks.py, tested in tests/
     test_dirs = [f"{directory}/tests" for directory, _ in PACKAGES.values()] + ["tests"]
@@ -147,8 +152,14 @@ def test_oldest_torch(session: nox.Session) -> None:
 @nox.session(venv_params=SYSTEM_SITE)
 def tour(session: nox.Session) -> None:
     """The main job: a short run of every experiment this machine supports, printing each table."""
+    session.log("set-up 1/2: torch: the one this interpreter already has (a CUDA build, say), else "
+                f"{TORCH_SPEC}")
     install_torch_unless_present(session)
-    install_local(session, list(PACKAGES), editable=True)
+    session.log("set-up 2/2: the five packages of this repository, editable, and what they import (rich, "
+                "pandas, matplotlib, tabulate); a first run downloads those, later runs reuse .nox/tour. "
+                "No test extras: a CPU machine gets no Triton, a CUDA build of torch brings its own")
+    install_local(session, list(PACKAGES), editable=True, extras="", silent=False)
+    session.log("running the tour: its results go to out/tour (not tracked by git)")
     session.run("python", "-m", "benchmarks.tour", *session.posargs)
 
 

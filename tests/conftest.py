@@ -18,12 +18,16 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+# A hang guard, not a time limit: the torchrun worlds of these tests finish in under a minute on a busy
+# 2-core machine; a deadlocked collective would wait forever.
+HANG_GUARD_S = 1200
+
 
 def run_cases_on_this_rank(results_dir: Path, cases: dict[str, Callable[[], None]]) -> None:
     """On each torchrun rank (gloo): run cases in order, recording 'ok' or the traceback of each in
     RESULTS_DIR/rank{r}.json; the first failure ends the process, so that torchrun stops the other
     ranks, which may be waiting in a collective."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))  # a deadlock guard
     results: dict[str, str] = {}
     out = results_dir / f"rank{dist.get_rank()}.json"
     for name, case in cases.items():
@@ -41,7 +45,7 @@ def run_cases_on_this_rank(results_dir: Path, cases: dict[str, Callable[[], None
 def _run_under_torchrun(
     script: str, results_dir: Path, cases: Iterable[str], world_size: int
 ) -> dict[str, str]:
-    """Run script RESULTS_DIR on world_size ranks under torchrun (killed whole after 150 s), each rank
+    """Run script RESULTS_DIR on world_size ranks under torchrun (killed whole after HANG_GUARD_S), each rank
     writing RESULTS_DIR/rank{r}.json as {case: 'ok' or its traceback}; {case: 'ok' or why not}."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={world_size}", script, str(results_dir)]  # fmt: skip
@@ -49,7 +53,7 @@ def _run_under_torchrun(
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, env=env)  # fmt: skip
     try:
-        log, _ = process.communicate(timeout=150)
+        log, _ = process.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         log, _ = process.communicate()

@@ -16,7 +16,8 @@ def test_profile_script_times_the_hooks_of_minddp_and_not_of_torch_ddp_on_cpu(tm
     out = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--batch", "1", "--context", "16",
                           "--warmup", "1", "--steps", "2", "--configs", "single,naive,bucketed,torch",
                           "--nproc", "2", "--results-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=180, check=True).stdout
+                         capture_output=True, text=True, check=True,
+                         timeout=900).stdout  # a hang guard; it takes seconds
     lines = out.splitlines()
     header = next(line for line in lines if "step ms" in line).split("  ")
     columns = [c.strip() for c in header if c.strip()]

@@ -102,5 +102,26 @@ def test_flops_and_shapes():
 def test_help_explains_the_columns(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
     assert "--naive-max-seq" in text and "x flash" in text
+    assert "(default: None)" not in text  # '--seq ... (default 128,...,65536)' said once, not twice
+    assert text.count("default 16,32,64,128") == 1 and "(default: 16384)" in text
+    # the help is true on a CPU too: there sdpa-flash takes float32 and is the "x flash" baseline
+    assert "on a CPU, SDPA's flash backend is PyTorch's CPU kernel, which takes float32" in text
+
+
+def test_times_that_contradict_each_other_are_noise_not_findings():
+    """The issue's CPU row: torch fwd 31.9 ms, bwd 0.719 ms, fwd+bwd 1.55 ms (a total below its part)."""
+    df = pd.DataFrame({"batch*heads": 1, "T": [128, 128, 256, 256], "d": 16, "dtype": "float32",
+                       "impl": ["torch", "sdpa-flash", "torch", "sdpa-flash"],
+                       "fwd ms": [31.9, 0.0425, 1.0, 0.5], "bwd ms": [0.719, 0.1, 1.0, 1.0],
+                       "fwd+bwd ms": [1.55, 11.5, 2.0, 0.9]})
+    df = add_ratios(df, flash.PASSES, causal=True)
+    assert flash.noisy_rows(df).tolist() == [True, False, False, True]
+    shown = flash.shown_with_noise(df)
+    assert shown.loc[0, "fwd ms"] == "31.9 (noise)" and shown.loc[0, "fwd+bwd TFLOP/s"].endswith("(noise)")
+    assert shown.loc[0, "fwd x flash"].endswith("(noise)")
+    assert shown.loc[1, "fwd ms"] == 0.0425  # a consistent row is left as measured
+    # T = 256: the sdpa-flash baseline's fwd+bwd is below its bwd, so every ratio against it is noise too
+    assert shown.loc[2, "fwd ms"] == 1.0 and shown.loc[2, "bwd x flash"].endswith("(noise)")
+    assert not geomean_summary(df, flash.PASSES, min_seq=128)[0].count("n=2")  # noisy rows left out

@@ -216,6 +216,6 @@ def test_the_scripts_check_their_numbers_too(tmp_path, script, argv, message):
                 for name, ms in (("old", 1.0), ("new", 2.0)))
     argv = [a.replace("{old}", str(old)).replace("{new}", str(new)) for a in argv]
     done = subprocess.run([sys.executable, str(SCRIPTS / script), *argv], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300)  # a hang guard: a refusal takes a second
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert message in done.stderr

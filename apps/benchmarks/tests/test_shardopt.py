@@ -14,7 +14,7 @@ MB = 1e6
 
 def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
     main(["--results-dir", str(tmp_path), "--warmup", "0", "--iters", "1", "--trace-steps", "1",
-          "--timeout", "60"])
+          "--timeout", "900"])  # a hang guard for its workers: they take a minute
     memory, meta = read_results(tmp_path / "cpu" / "shardopt_memory.csv")
     assert meta["world_size"] == "2" and meta["model"] == "tiny" and "CPU" in meta["memory_accounting"]
     assert "peak_MB" not in memory.columns  # no allocator peak on CPU, so no made-up column
@@ -48,11 +48,11 @@ def test_main_spawns_two_workers_and_accounts_memory_per_optimizer(tmp_path):
 def test_runs_under_torchrun(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "-m", "benchmarks.shardopt", "--optimizers", "unsharded,sharded", "--warmup", "0",
-               "--iters", "1", "--results-dir", str(tmp_path), "--timeout", "60"]
+               "--iters", "1", "--results-dir", str(tmp_path), "--timeout", "900"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        log, _ = process.communicate(timeout=150)
+        log, _ = process.communicate(timeout=1200)  # a hang guard; it takes under a minute
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         raise

@@ -36,13 +36,19 @@ def _with_rank(worker: Callable[..., Any], *args: Any) -> Any:
 _START_METHOD = "spawn" if torch.cuda.device_count() > 0 else "fork"
 
 
-def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0) -> list[Any]:
+# A hang guard, not a time limit: a deadlocked collective waits forever, while every world these tests start
+# finishes in well under a minute even on a busy 2-core machine.
+HANG_GUARD_S = 900.0
+
+
+def run_on_ranks(worker: Callable[..., Any], world_size: int, *args: Any,
+                 timeout: float = HANG_GUARD_S) -> list[Any]:
     """``worker(rank, world_size, *args)`` on ``world_size`` CPU processes in one gloo group.
 
     Returns each rank's result (keep it to plain Python values), in rank order. A worker's
     exception fails the call (AssertionError) with that rank's traceback; past ``timeout``
-    seconds every worker is killed. ``worker`` must be a module-level function (spawned ranks
-    import it). One rank runs in this process.
+    seconds (a hang guard) every worker is killed. ``worker`` must be a module-level function
+    (spawned ranks import it). One rank runs in this process.
     """
     if dist.is_initialized():
         raise RuntimeError("run_on_ranks: a process group is initialized in the parent; destroy it first")

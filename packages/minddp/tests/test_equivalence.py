@@ -160,7 +160,7 @@ def train_every_case(rank: int, world_size: int) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
 def reports(request: pytest.FixtureRequest, ranks) -> list[dict[str, dict[str, Any]]]:
-    return ranks(train_every_case, request.param, timeout=120)
+    return ranks(train_every_case, request.param)
 
 
 @pytest.mark.parametrize("case", CASES)

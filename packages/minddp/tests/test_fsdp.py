@@ -143,7 +143,7 @@ def train_and_compare(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
 def training_reports(request: pytest.FixtureRequest, ranks: Any) -> tuple[int, list[dict[str, Any]]]:
-    return request.param, ranks(train_and_compare, request.param, timeout=180)
+    return request.param, ranks(train_and_compare, request.param)
 
 
 @pytest.mark.parametrize("case", [f"{o}-{d}" for o, d in itertools.product(OPTIMIZERS, COMPUTE_DTYPES)])
@@ -214,7 +214,7 @@ def against_torch(rank: int, world_size: int) -> dict[str, float]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_training_is_bitwise_torch_fsdp2_and_ddp(ranks: Any, world_size: int) -> None:
     tolerance = 0.0 if world_size == 2 else 1e-6
-    for differences in ranks(against_torch, world_size, timeout=180):
+    for differences in ranks(against_torch, world_size):
         assert differences and all(d <= tolerance for d in differences.values()), differences
 
 

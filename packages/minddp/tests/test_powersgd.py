@@ -77,7 +77,7 @@ def powersgd_like_torch(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def outcomes(ranks) -> list[dict[str, Any]]:
-    return ranks(powersgd_like_torch, 2, timeout=120)
+    return ranks(powersgd_like_torch, 2)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

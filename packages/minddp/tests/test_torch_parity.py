@@ -243,7 +243,7 @@ def compare_with_torch(rank: int, world_size: int) -> dict[str, float]:
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"{n}ranks")
 def diffs(request: pytest.FixtureRequest, ranks) -> tuple[int, list[dict[str, float]]]:
-    return request.param, ranks(compare_with_torch, request.param, timeout=120)
+    return request.param, ranks(compare_with_torch, request.param)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -310,7 +310,7 @@ def early_termination(rank: int, world_size: int) -> list[str]:
 
 def test_throw_on_early_termination_raises_on_every_rank_as_torch_does(ranks):
     # 2 ranks only: torch DDP takes seconds to raise.
-    for rank, (ours, theirs) in enumerate(ranks(early_termination, 2, timeout=60)):
+    for rank, (ours, theirs) in enumerate(ranks(early_termination, 2)):
         assert ours == theirs and "exhausted" in ours, f"rank {rank}: {ours!r} vs torch's {theirs!r}"
 
 
@@ -382,7 +382,7 @@ def skip_on_one_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def skipped(ranks) -> list[dict[str, Any]]:
-    return ranks(skip_on_one_rank, 2, timeout=180)
+    return ranks(skip_on_one_rank, 2)
 
 
 @pytest.mark.parametrize("name", [skip_case_name(*case) for case in SKIP_CASES])

@@ -14,7 +14,7 @@ _spec.loader.exec_module(checks)
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return checks.launch(2, tmp_path_factory.mktemp("nccl"), backend="nccl", timeout_s=90)
+    return checks.launch(2, tmp_path_factory.mktemp("nccl"), backend="nccl")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

@@ -1,8 +1,9 @@
 """What every experiment shares: device facts, checked arguments, result files, tables, OOM cells.
 
-Results go to ``<results-dir>/<device>/<experiment>.csv`` (metadata as leading ``# key: value``
-lines; read back with :func:`read_results`) with a Markdown copy beside it. Each file is written
-whole to a temporary file in its folder and then renamed over the old one, so a full disk, a
+Results go to ``<results-dir>/<device>/<experiment>.csv`` (``<results-dir>`` is the untracked ``out/``
+unless ``--results-dir`` names another folder, so a checkout stays clean; metadata as leading
+``# key: value`` lines; read back with :func:`read_results`) with a Markdown copy beside it. Each file
+is written whole to a temporary file in its folder and then renamed over the old one, so a full disk, a
 crash or a second run writing the same file never leaves a torn file: the old one stays, or the
 last complete one wins.
 
@@ -26,6 +27,7 @@ import csv
 import datetime as _dt
 import io
 import math
+import numbers
 import os
 import re
 import shlex
@@ -47,7 +49,8 @@ console = Console(soft_wrap=True)  # long lines are not cut or folded at 80 colu
 T = TypeVar("T")
 OOM = "OOM"
 UNDEFINED = "-"  # how a cell with no value (NaN, None) prints, in every table and Markdown file
-NOISE = "(noise)"  # a derived cell whose inputs differ by less than their spread: "~0 (noise)"
+DEFAULT_RESULTS_DIR = Path("out")  # untracked: running an experiment leaves a checkout clean
+NOISE = "(noise)"  # after a cell that the noise rule (within_noise) flags: "~0 (noise)", "31.9 (noise)"
 # Cells that say why a measurement was not made. OOM is not one of them: it is what the attempt found.
 NOT_AVAILABLE = "unsupported"  # not "n/a": pandas reads that back as NaN
 SKIPPED = "skipped"
@@ -91,7 +94,14 @@ def run_metadata(command: str) -> dict[str, str]:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the description's paragraphs as written and shows every option's default."""
+    """--help keeps the description's paragraphs as written and shows every option's default, once: not
+    where the help states it already, nor a None that means 'chosen at run time' (the help says how)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -105,8 +115,9 @@ def make_parser(experiment: str, description: str) -> ArgumentParser:
     """An experiment's parser (description: its module docstring), with the options every experiment has."""
     parser = ArgumentParser(prog=f"python -m benchmarks.{experiment}", description=description,
                             formatter_class=HelpFormatter)
-    parser.add_argument("--results-dir", type=Path, default=Path("results"),
-                        help="write <results-dir>/<device>/<name>.csv and .md")
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                        help="write <results-dir>/<device>/<name>.csv and .md (the default, out/, is not "
+                             "tracked by git; the committed results are in results/)")
     parser.add_argument("--no-save", action="store_true", help="print the tables, write no files")
     return parser
 
@@ -330,40 +341,155 @@ def to_markdown(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
                                        for c in df.columns] or None)
 
 
-def within_noise(difference: float, spread: float) -> bool:
-    """Whether a measured difference is smaller than its spread (one std of the difference), so its
-    sign, and any ratio built from it, is not a finding."""
-    return not math.isnan(difference) and not math.isnan(spread) and abs(difference) < spread
+def within_noise(difference: float, spread: float = 0.0) -> bool:
+    """The noise rule: the one test every table and the report apply before a timing is read as a finding.
 
-
-def mark_noise(df: pd.DataFrame, difference: str, spread: str, derived: dict[str, str]) -> pd.DataFrame:
-    """A copy for printing in which, on rows where ``difference`` is within ``spread``, each column of
-    ``derived`` reads its value there (``{"exposed ms": "~0", "x single": "~1"}``) followed by NOISE.
-
-    The numbers stay in the saved results (with the spread beside them); what is printed as a
-    finding is only what the measurement can tell apart.
+    ``difference`` is a measured time, or the part of one that a difference of times measures, that
+    cannot be negative: a time itself, what a data-parallel step adds to one device's (its step minus
+    the single step), the backward inside a fwd+bwd (fwd+bwd minus fwd). It is noise when it is not
+    above its spread (one std of it; 0 where none was measured): negative, or within one spread of
+    zero. Then neither its value, its sign nor a ratio built on it is a finding. A signed comparison of
+    two alternatives (ours against torch's) passes the size of their difference, ``abs(a - b)``.
     """
-    noisy = [within_noise(d, s) for d, s in zip(pd.to_numeric(df[difference], errors="coerce"),
-                                                pd.to_numeric(df[spread], errors="coerce"), strict=True)]
-    shown = df.astype({column: object for column in derived})
-    for column, near in derived.items():
-        shown.loc[noisy, column] = f"{near} {NOISE}"
+    return not (math.isnan(difference) or math.isnan(spread)) and difference < spread
+
+
+def is_measured(value: Any) -> bool:
+    """Whether a cell holds a number (not a reason such as OOM, nor NaN)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def noise_text(value: Any, near: str | None = None, float_format: str = "{:.3g}") -> str:
+    """How a cell that :func:`within_noise` flags prints: '~0 (noise)' with ``near='~0'``, else
+    '12.3 (noise)'."""
+    return f"{near if near is not None else cell_text(value, float_format)} {NOISE}"
+
+
+def with_noise_marked(df: pd.DataFrame, noisy: Iterable[bool], columns: Iterable[str],
+                      near: dict[str, str] | None = None) -> pd.DataFrame:
+    """A copy for printing in which, on the ``noisy`` rows, each of ``columns`` reads as :func:`noise_text`
+    writes it (``near`` gives a column the value the noise is about, '~0' or '~1', instead of its own).
+
+    The numbers stay in the saved results (with their spread where one was measured); what is printed
+    as a finding is only what the measurement can tell apart.
+    """
+    flags = list(noisy)
+    columns = [c for c in columns if c in df.columns]
+    shown = df.astype({column: object for column in columns})
+    for column in columns:
+        for index, flagged in zip(shown.index, flags, strict=True):
+            value = df.at[index, column]
+            if flagged and is_measured(value):  # 'OOM', 'unsupported' or no value stay as they are
+                shown.at[index, column] = noise_text(value, (near or {}).get(column))
     return shown
 
 
 def print_table(df: pd.DataFrame, title: str, float_format: str = "{:.3g}") -> None:
-    """A rich table on a terminal; where stdout is not one (a pipe, a file), the Markdown form, uncut."""
+    """A rich table on a terminal; where stdout is not one (a pipe, a file), the Markdown form, uncut.
+
+    On a terminal no cell is ever cut: a table wider than the terminal is printed in parts, each
+    holding the leading columns that name a row (:func:`key_columns`) and as many others as fit; a
+    number is never folded, and only headers and text wrap, inside their cells.
+    """
     if not console.is_terminal:
         console.print(f"\n{title}\n\n{to_markdown(df, float_format)}\n", markup=False, highlight=False,
                       soft_wrap=True)
         return
-    table = Table(title=title, title_justify="left")
-    for column in df.columns:
-        numeric = pd.api.types.is_numeric_dtype(df[column])
-        table.add_column(str(column), justify="right" if numeric else "left")
-    for row in df.itertuples(index=False):
-        table.add_row(*(escape(cell_text(v, float_format)) for v in row))
-    console.print(table)
+    cells = {str(c): [cell_text(v, float_format) for v in df[c]] for c in df.columns}
+    numeric = {str(c): pd.api.types.is_numeric_dtype(df[c]) for c in df.columns}
+    fractional = {str(c): any(map(_is_fraction, df[c])) for c in df.columns}  # times, say: no row names
+    parts = column_parts(cells, console.width, fractional)
+    for index, widths in enumerate(parts):
+        suffix = f" (part {index + 1} of {len(parts)}, split to fit the terminal)" if len(parts) > 1 else ""
+        console.print(title + suffix, markup=False, highlight=False, soft_wrap=False)  # wrapped between words
+        table = Table()
+        for column, width in widths.items():
+            table.add_column(escape(column), justify="right" if numeric[column] else "left", overflow="fold",
+                             width=width)
+        for row in zip(*(cells[c] for c in widths), strict=True):
+            table.add_row(*map(escape, row))
+        console.print(table)
+
+
+_TEXT_WRAP_WIDTH = 24  # a text cell longer than this may wrap inside its column (a number never does)
+_CELL_FRAME = 3  # rich's padding on either side of a cell and the border after it
+
+
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return text == UNDEFINED
+    return True
+
+
+def _is_fraction(value: Any) -> bool:
+    """Whether a cell holds a number with a fractional part (a measurement, not a count or a size)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return is_measured(value) and not float(value).is_integer()
+
+
+def _needed_width(header: str, texts: list[str]) -> int:
+    """The narrowest a column may be with nothing cut: every number whole, the header's longest word whole,
+    text cells wrapped at _TEXT_WRAP_WIDTH at most."""
+    words = max((len(word) for word in header.split()), default=1)
+    numbers = max((len(t) for t in texts if _is_number_text(t)), default=0)
+    text = min(max((len(t) for t in texts if not _is_number_text(t)), default=0), _TEXT_WRAP_WIDTH)
+    return max(words, numbers, text, 1)
+
+
+def _comfortable_width(header: str, texts: list[str]) -> int:
+    """A column's width with its header on one line and its cells unwrapped."""
+    return max(len(header), *(len(t) for t in texts), 1)
+
+
+def key_columns(cells: dict[str, list[str]], width: int, fractional: dict[str, bool]) -> list[str]:
+    """The leading columns that name a row (up to the first holding a fraction, such as a time), repeated
+    in every part of a table too wide for the terminal; as many of them as fit in 40% of its width."""
+    keys: list[str] = []
+    for column in cells:
+        if fractional[column]:
+            break
+        keys.append(column)
+    keys = keys[:-1] if len(keys) == len(cells) else keys
+    while keys[1:] and sum(_needed_width(k, cells[k]) + _CELL_FRAME for k in keys) > 0.4 * width:
+        constant = [k for k in keys if len(set(cells[k])) == 1]  # the first part shows those
+        keys.remove(constant[0] if constant else keys[-1])
+    return keys or list(cells)[:1]
+
+
+def column_parts(cells: dict[str, list[str]], width: int,
+                 fractional: dict[str, bool]) -> list[dict[str, int]]:
+    """Each part a table is printed in at ``width`` (terminal columns), as {column: its width}: one part
+    where the columns fit, else the key columns and, in order, as many of the others as fit beside them
+    (at least one each); the room left in a part widens its columns towards unwrapped headers and cells."""
+    comfortable = {c: _comfortable_width(c, texts) for c, texts in cells.items()}
+    if sum(comfortable.values()) + _CELL_FRAME * len(cells) + 1 <= width:
+        return [comfortable]
+    needed = {c: _needed_width(c, texts) for c, texts in cells.items()}
+    keys = key_columns(cells, width, fractional)
+    room = width - 1 - sum(needed[k] + _CELL_FRAME for k in keys)  # what the other columns of a part get
+    cost = {c: needed[c] + _CELL_FRAME for c in cells}
+    groups: list[list[str]] = []
+    for column in (c for c in cells if c not in keys):
+        if not groups or sum(cost[c] for c in groups[-1]) + cost[column] > room:
+            groups.append([])
+        groups[-1].append(column)
+    parts = []
+    order = list(cells)
+    for group in groups or [[]]:
+        widths = {c: needed[c] for c in sorted([*keys, *group], key=order.index)}  # the table's own order
+        spare = width - 1 - sum(w + _CELL_FRAME for w in widths.values())
+        for column in sorted(widths, key=lambda c: comfortable[c] - widths[c]):  # most headers whole
+            grow = max(0, min(comfortable[column] - widths[column], spare))
+            widths[column] += grow
+            spare -= grow
+        parts.append(widths)
+    return parts
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import (
+    NOISE,
     console,
     float_list,
     free_device_memory,
@@ -60,6 +61,8 @@ from benchmarks.common import (
     print_table,
     save_results,
     str_list,
+    with_noise_marked,
+    within_noise,
 )
 from benchmarks.model import MODEL_SIZES, TransformerLM, model_config, random_batch
 from benchmarks.overlap import trace_comm
@@ -220,9 +223,54 @@ def benchmark(setup: Setup, backend: str) -> list[dict[str, object]]:
             "peak GiB": peak,
         })
         if rank == 0:
-            console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ({step_mean / single_mean:.3f}x single"
+            console.print(f"  {label:<22} {step_mean:9.2f} ms/step  ("
+                          + against_single(rows[-1], noise_against_single(rows)[-1], single_mean)
                           + comm_summary(times.comm) + ")")
     return with_torch_ratio(rows)
+
+
+def noise_against_single(rows: list[dict[str, Any]]) -> list[bool]:
+    """Per row, whether what it adds to one device's step ("single") is noise by the rule every table
+    applies (:func:`within_noise`): the difference of the mean step times against the spread of that
+    difference (sqrt(std^2 + std_single^2)); a row's ratio to one device is then not a finding. The
+    single row is the reference, never noise."""
+    single = next((r for r in rows if r["strategy"] == SINGLE), None)
+    if single is None:
+        return [False] * len(rows)
+    return [row["strategy"] != SINGLE and within_noise(
+        float(row["step ms"]) - float(single["step ms"]), math.hypot(float(row["step std"]),
+                                                                     float(single["step std"])))
+        for row in rows]
+
+
+def noise_against_torch(rows: list[dict[str, Any]]) -> list[bool]:
+    """Per row, whether its step time and torch DDP's (at the same bucket size, as "x torch" pairs them)
+    differ by less than the spread of their difference: a signed comparison, so its size is tested."""
+    torch_rows = [r for r in rows if r["strategy"] == "torch"]
+    flags = []
+    for row in rows:
+        same_size = [r for r in torch_rows if r["bucket MiB"] == row["bucket MiB"]] or torch_rows
+        flags.append(bool(same_size) and row["strategy"] not in (SINGLE, "torch") and within_noise(
+            abs(float(row["step ms"]) - float(same_size[0]["step ms"])),
+            math.hypot(float(row["step std"]), float(same_size[0]["step std"]))))
+    return flags
+
+
+def against_single(row: dict[str, Any], noise: bool, single_mean: float) -> str:
+    """'1.472x single', or '~1x single (noise)' where ``noise``; 'the reference' for one device."""
+    if row["strategy"] == SINGLE:
+        return "the reference"
+    return f"~1x single {NOISE}" if noise else f"{float(row['step ms']) / single_mean:.3f}x single"
+
+
+def shown_with_noise(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The table as printed: ratios to one device or to torch DDP that are noise read '~1 (noise)'."""
+    df = pd.DataFrame(rows)
+    shown = with_noise_marked(df, noise_against_single(rows), ["x single"], {"x single": "~1"})
+    marked = with_noise_marked(df, noise_against_torch(rows), ["x torch"], {"x torch": "~1"})
+    if "x torch" in df:
+        shown["x torch"] = marked["x torch"]
+    return shown
 
 
 def comm_summary(comm: dict[str, Any]) -> str:
@@ -302,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if rows is None:  # a torchrun rank other than 0
         return
     df = pd.DataFrame(rows)
-    print_table(df, f"DDP step time and communication, {args.size} {args.precision}, "
+    print_table(shown_with_noise(rows), f"DDP step time and communication, {args.size} {args.precision}, "
                     f"{args.batch}x{args.context} per rank, {nproc} ranks ({args.backend})")
     save_results(df, "ddp", args, metadata={"ranks": str(nproc), "backend": args.backend,
                                             "model": args.size, "precision": args.precision,

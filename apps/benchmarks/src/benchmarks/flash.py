@@ -8,12 +8,16 @@ inputs of shape (1, batch*heads, T, d), causal by default:
   naive           softmax(q k^T / sqrt(d)) v with the T x T scores in memory
   sdpa-flash      torch.nn.functional.scaled_dot_product_attention, FLASH_ATTENTION backend
   sdpa-cudnn      ... CUDNN_ATTENTION backend
-  sdpa-efficient  ... EFFICIENT_ATTENTION backend (the one that takes float32)
+  sdpa-efficient  ... EFFICIENT_ATTENTION backend (on a GPU, the one that takes float32)
 
 The sweep is batch*heads = --batch, T in --seq, d in --dims, each dtype in --dtypes, plus the
 bfloat16 shapes in --shapes. A cell reads OOM when the GPU ran out of memory, unsupported when the
-implementation does not run here (SDPA's flash and cuDNN backends take no float32), and skipped when
-T is above --naive-max-seq / --torch-max-seq (those two would take minutes per cell, not fail).
+implementation does not run here (on a GPU, SDPA's flash and cuDNN backends take no float32; on a CPU,
+SDPA's flash backend is PyTorch's CPU kernel, which takes float32 and is the baseline of every
+"x flash" column there, while the Triton kernels need a GPU), and skipped when T is above
+--naive-max-seq / --torch-max-seq (those two would take minutes per cell, not fail). A row whose times
+contradict each other (fwd+bwd below fwd or bwd: timing noise, common on a busy CPU) prints "(noise)"
+after each of its timings, and after each ratio against it.
 TFLOP/s counts 4*B*T*T*d for the forward (half of it when causal) and 2.5 times that for the
 backward. The columns "x flash", "x cudnn", "x efficient" are the speedup over that SDPA backend
 (its time / this time: above 1 is faster); their geometric means over T >= --geomean-min-seq are
@@ -63,6 +67,8 @@ from benchmarks.common import (
     results_name,
     save_results,
     str_list,
+    with_noise_marked,
+    within_noise,
 )
 from benchmarks.flash_features import FEATURES, run_features, window_speedup
 
@@ -176,7 +182,12 @@ def attention_fn(impl: str, dev: torch.device) -> Callable[..., torch.Tensor] | 
 def make_timer(dev: torch.device, warmup_ms: float, rep_ms: float) -> Callable[[Callable[[], object]], float]:
     """fn -> median milliseconds: triton.testing.do_bench on CUDA, wall clock on CPU."""
     if dev.type == "cuda":
-        from triton.testing import do_bench
+        try:
+            from triton.testing import do_bench
+        except ImportError as exc:
+            raise SystemExit("error: timing on CUDA uses triton.testing.do_bench, and Triton is not "
+                             "installed: pip install './apps/benchmarks[cuda]' (CUDA builds of torch bring "
+                             "it)") from exc
 
         return lambda fn: float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
@@ -345,11 +356,46 @@ def add_ratios(df: pd.DataFrame, passes: list[str], causal: bool) -> pd.DataFram
     return out
 
 
+def passes_contradict(times: dict[str, float]) -> bool:
+    """Whether a row's pass times contradict each other by the noise rule (:func:`within_noise`): a time
+    below 0, or fwd+bwd below fwd or below bwd (the other pass inside it would take negative time)."""
+    values = {p: t for p, t in times.items() if not math.isnan(t)}
+    parts = [values[p] for p in ("fwd", "bwd") if p in values]
+    inside = [values["fwd+bwd"] - part for part in parts] if "fwd+bwd" in values else []
+    return any(within_noise(t) for t in [*values.values(), *inside])
+
+
+def noisy_rows(df: pd.DataFrame) -> pd.Series:
+    """Per row of a flash table: its pass times contradict each other (:func:`passes_contradict`)."""
+    passes = [p for p in PASSES if f"{p} ms" in df.columns]
+    times = pd.DataFrame({p: pd.to_numeric(df[f"{p} ms"], errors="coerce") for p in passes}, index=df.index)
+    return pd.Series([passes_contradict(row) for row in times.to_dict("records")], index=df.index, dtype=bool)
+
+
+def shown_with_noise(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as printed: a row whose times contradict each other reads '<value> (noise)' in every
+    timing column, and so does every 'x <backend>' ratio whose baseline row is such a row."""
+    noisy = noisy_rows(df)
+    key = [c for c in ("batch*heads", "T", "d", "dtype") if c in df.columns]
+    timing = [c for c in df.columns if c.endswith((" ms", " TFLOP/s")) or " x " in c]
+    shown = with_noise_marked(df, noisy, timing)
+    for label, baseline in BASELINES.items():
+        is_base = df["impl"] == baseline
+        if not is_base.any():
+            continue
+        noisy_keys = df.loc[is_base & noisy, key].drop_duplicates()
+        hit = df[key].merge(noisy_keys.assign(_hit=True), on=key, how="left")["_hit"].notna().to_numpy()
+        hit = hit & ~noisy.to_numpy()  # those rows are marked already
+        ratios = [c for c in df.columns if c.endswith(f" x {label}")]
+        shown.loc[hit, ratios] = with_noise_marked(df, hit, ratios).loc[hit, ratios]
+    return shown
+
+
 def geomean_summary(df: pd.DataFrame, passes: list[str], min_seq: int) -> list[str]:
     """One line per (dtype, impl, SDPA backend): the geometric-mean speedup of each pass over T >= min_seq."""
     lines = []
     for dtype in df["dtype"].unique():
-        rows = df[(df["dtype"] == dtype) & (df["T"] >= min_seq)]
+        rows = df[(df["dtype"] == dtype) & (df["T"] >= min_seq) & ~noisy_rows(df)]
         for impl in [i for i in rows["impl"].unique() if not i.startswith("sdpa")]:
             mine = rows[rows["impl"] == impl]
             for label in BASELINES:
@@ -421,7 +467,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "'' for none)",
     )
     parser.add_argument(
-        "--impls", type=str_list(IMPLS), default=None, help=f"implementations ({', '.join(IMPLS)})"
+        "--impls", type=str_list(IMPLS), default=None,
+        help=f"implementations among {', '.join(IMPLS)} (default all)"
     )
     parser.add_argument("--passes", type=str_list(PASSES), default=PASSES, help="passes to time")
     parser.add_argument(
@@ -500,7 +547,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ]
     df = add_ratios(pd.DataFrame(rows), args.passes, args.causal)
     print_table(
-        df.drop(columns=["causal"]),
+        shown_with_noise(df.drop(columns=["causal"])),
         f"attention, {'causal' if args.causal else 'not causal'}, "
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}"
         f"{', CUDA graphs' if args.cuda_graphs else ''}",

@@ -11,17 +11,20 @@ difference within it prints as "~0 (noise)", not as a finding.
 from __future__ import annotations
 
 import importlib
+import shlex
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from benchmarks.common import NothingMeasured, ResultsNotSaved, console, make_parser, parse_args, str_list
 
-CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models on "
-            "shared CPU cores). They show that each experiment runs, not how fast anything is: a difference "
-            "within its spread prints as '~0 (noise)', and a sign or ratio from them is not a finding. "
-            "Performance figures come from GPU runs (docs/report.md).")
+CPU_NOTE = ("[bold yellow]No GPU: these timings are noise-level[/bold yellow] (a few steps of tiny models "
+            "on shared CPU cores). What a CPU run shows is that each experiment runs, its correctness, "
+            "memory and structure; speed needs a GPU. A timing that the noise rule flags (negative, within "
+            "its spread, or a fwd+bwd below its fwd) prints with '(noise)', and no sign or ratio is read "
+            "from it. Performance figures come from GPU runs (docs/report.md).")
 # The report comes last: it reads what the others wrote.
 EXPERIMENTS = ["precision", "e2e", "attention", "flash", "checkpointing", "allreduce", "ddp", "shardopt",
                "fsdp", "accounting", "report"]
@@ -36,27 +39,33 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only
     shared = ["--results-dir", str(args.results_dir)] + (["--no-save"] if args.no_save else [])
     if not torch.cuda.is_available():
-        console.print(CPU_NOTE)
+        console.print(CPU_NOTE, soft_wrap=False)  # wrapped between words at the terminal's width
     outcomes = []
     for name in names:
         module = importlib.import_module(f"benchmarks.{name}")
-        console.rule(f"[bold]python -m benchmarks.{name} {' '.join(module.TOUR_ARGS)}")
+        console.rule(f"[bold]{name}")
+        beside = ["--out", str(Path(args.results_dir) / "report.md")] if name == "report" else []
+        argv = [*module.TOUR_ARGS, *shared, *beside]
+        command = shlex.join(["python", "-m", f"benchmarks.{name}", *argv])
+        console.print(f"$ {command}", markup=False, highlight=False, soft_wrap=True)  # whole, on its own line
         start = time.perf_counter()
         try:
-            status = module.main([*module.TOUR_ARGS, *shared])
+            status = module.main(argv)
             ok = not (isinstance(status, int) and status != 0)  # mains return an exit status, a table or None
             outcomes.append((name, "ok" if ok else "FAILED", time.perf_counter() - start))
         except (Exception, ResultsNotSaved, NothingMeasured):  # a save failed or refused: only this one ends
-            console.print(traceback.format_exc(), style="red")
+            # as text: a gloo traceback's '[/.../pair.cc:537]' is not markup
+            console.print(traceback.format_exc(), style="red", markup=False, highlight=False)
             outcomes.append((name, "FAILED", time.perf_counter() - start))
     console.rule("[bold]tour")
+    width = max(len(name) for name, _, _ in outcomes) if outcomes else 0
     for name, outcome, seconds in outcomes:
-        console.print(f"{name:<12} {outcome:<7} {seconds:7.1f} s")
+        console.print(f"{name:<{width}}  {outcome:<7} {seconds:7.1f} s")
     failed = [name for name, outcome, _ in outcomes if outcome != "ok"]
     console.print(f"{len(outcomes) - len(failed)} of {len(outcomes)} experiments ran"
                   + (f"; failed: {', '.join(failed)}" if failed else ""))
     if not torch.cuda.is_available():
-        console.print(CPU_NOTE)
+        console.print(CPU_NOTE, soft_wrap=False)
     return 1 if failed else 0
 
 

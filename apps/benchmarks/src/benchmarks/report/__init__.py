@@ -1,4 +1,5 @@
-"""Rebuild docs/report.md and its plots from every results file, with a section per experiment.
+"""A report and its plots from every results file, with a section per experiment (by default from out/ into
+out/report.md; ``--results-dir results --out docs/report.md`` rebuilds the committed one).
 
 Reads ``<results-dir>/<device>/<name>.csv`` (metadata in leading ``# key: value`` lines). For each
 experiment it picks one device's results (a GPU's over the CPU's; the latest run among GPUs),
@@ -17,7 +18,7 @@ from benchmarks.report.build import build_report, main
 from benchmarks.report.core import Context, ResultFile, Section, load_results
 from benchmarks.report.registry import SECTIONS
 
-TOUR_ARGS: list[str] = ["--out", "out/tour/docs/report.md"]  # never over the committed docs/report.md
+TOUR_ARGS: list[str] = []  # the tour adds --out <its results dir>/report.md (never docs/report.md)
 
 __all__ = ["SECTIONS", "TOUR_ARGS", "Context", "LinkFit", "ResultFile", "Section", "build_report",
            "fit_allreduce", "load_results", "main"]

@@ -54,18 +54,18 @@ def render_allreduce(ctx: Context) -> list[str]:
             lines.append(missing_note("The analysis", missing))
             continue
         bus = numeric(df["bus GB/s"])
+        speed: list[str] = []  # a GPU's results only (ctx.speed)
         for backend, rows in df.assign(bus=bus).groupby("backend", sort=False):
             best = rows.loc[rows["bus"].idxmax()]
-            lines.append(f"- {backend}: peak bus bandwidth {best['bus']:.3g} GB/s at "
+            speed.append(f"- {backend}: peak bus bandwidth {best['bus']:.3g} GB/s at "
                          f"{plain(best['size (MiB)'])} MiB over {best['world size']} ranks.")
             biggest = rows[numeric(rows["size (MiB)"]) == numeric(rows["size (MiB)"]).max()]
             if biggest["world size"].nunique() > 1:
-                lines.append(f"  - at {biggest['size (MiB)'].iloc[0]} MiB by world size: "
+                speed.append(f"  - at {biggest['size (MiB)'].iloc[0]} MiB by world size: "
                              + ", ".join(f"{r['world size']} ranks {r['bus']:.3g} GB/s"
                                          for _, r in biggest.iterrows()) + ".")
-        for fit in fit_allreduce(df):
-            lines.append(link_fit_line(fit))
-        lines += ["", allreduce_plot(ctx, df), ""]
+        speed += [link_fit_line(fit) for fit in fit_allreduce(df)]
+        lines += [*ctx.speed(*speed), "", allreduce_plot(ctx, df) if ctx.measures_speed else None, ""]
     return lines
 
 

@@ -13,12 +13,14 @@ from benchmarks.report.core import (
     first_oom,
     is_oom,
     log_slope,
+    median_of,
     missing_columns,
     missing_note,
     numeric,
     plain,
     prefixed,
     style,
+    value_range,
 )
 
 
@@ -37,7 +39,7 @@ def attention_findings(ctx: Context, f: ResultFile) -> list[str]:
     variants = [c.removeprefix("fwd ms ") for c in df.columns if c.startswith("fwd ms ")]
     if missing or not variants:
         return [missing_note("The analysis", missing or ["fwd ms <variant>"])]
-    lines = []
+    lines = []  # about speed: a GPU's results only (ctx.speed)
     eager = next((v for v in variants if v == "eager"), None)
     compiled = next((v for v in variants if v.startswith("compiled")), None)
     if eager and compiled:
@@ -47,8 +49,9 @@ def attention_findings(ctx: Context, f: ResultFile) -> list[str]:
                 if len(ratio):
                     top = df.loc[ratio.idxmax()]
                     lines.append(f"- {'Forward' if p == 'fwd' else 'Backward'}: {compiled} is "
-                                 f"{ratio.median():.2f}x the speed of eager (median; {ratio.min():.2f}x to "
-                                 f"{ratio.max():.2f}x, best at d={plain(top['d'])}, T={plain(top['T'])}).")
+                                 f"{ratio.median():.2f}x the speed of eager (median; "
+                                 f"{value_range(ratio.min(), ratio.max())}, best at d={plain(top['d'])}, "
+                                 f"T={plain(top['T'])}).")
     t_from = numeric(df["T"]).median()
     long = df[numeric(df["T"]) >= t_from]
     for v in variants:
@@ -58,9 +61,11 @@ def attention_findings(ctx: Context, f: ResultFile) -> list[str]:
                 slopes = pd.Series([log_slope(numeric(rows["T"]), numeric(rows[col]))
                                     for _, rows in long.groupby("d")]).dropna()
                 if len(slopes):
-                    spread = f"{slopes.min():.2f} to {slopes.max():.2f}"
+                    spread = value_range(slopes.min(), slopes.max(), "{:.2f}")
                     lines.append(f"- {v} {p} time grows as T^{slopes.median():.2f} for T >= {t_from:g} "
                                  f"(median over d of a log-log fit, {spread}; 2 is quadratic).")
+    lines = ctx.speed(*lines)
+    for v in variants:
         ooms = first_oom(df, f"fwd ms {v}", "T", ["d"]) if f"fwd ms {v}" in df else []
         if ooms:
             lines.append(f"- {v} runs out of memory: " + "; ".join(ooms) + ".")
@@ -71,11 +76,11 @@ def attention_findings(ctx: Context, f: ResultFile) -> list[str]:
     if mem and "predicted MiB" in df and numeric(df[mem]).notna().any():
         ratio = (numeric(df[mem]) / numeric(df["predicted MiB"])).dropna()
         formula = f"; formula: {f.meta['formula']}" if "formula" in f.meta else ""
-        lines.append(f"- Memory before backward, measured / predicted: median {ratio.median():.3f} "
-                     f"({ratio.min():.3f} to {ratio.max():.3f}) for eager{formula}.")
+        lines.append(f"- Memory before backward, measured / predicted: {median_of(ratio, '{:.3f}')} for "
+                     f"eager{formula}.")
     if not any(is_oom(df[c]).any() for c in df.columns if c.startswith("fwd ms ")):
         lines.append("- No configuration ran out of memory.")
-    return lines + ["", attention_plot(ctx, f, df, variants)]
+    return lines + ["", attention_plot(ctx, f, df, variants) if ctx.measures_speed else None]
 
 
 def attention_plot(ctx: Context, f: ResultFile, df: pd.DataFrame, variants: list[str]) -> str:

@@ -9,6 +9,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks.common import (
+    DEFAULT_RESULTS_DIR,
     ResultsNotSaved,
     check_writable,
     console,
@@ -28,8 +29,10 @@ from benchmarks.report.core import (
 from benchmarks.report.registry import SECTIONS
 
 
-def display_command(command: str) -> str:
-    """The recorded command without its --results-dir (results/ is the default the report reads)."""
+def display_command(command: str, results_dir: str) -> str:
+    """The recorded command, writing to ``results_dir`` (where the report read its file), so that it
+    reproduces that file when copied: any --results-dir it was run with is replaced, one is added where
+    it had none (the default folder may be another)."""
     args = shlex.split(command)
     kept, skip = [], False
     for arg in args:
@@ -39,12 +42,24 @@ def display_command(command: str) -> str:
             skip = True
         elif not arg.startswith("--results-dir="):
             kept.append(arg)
-    return shlex.join(kept)
+    return shlex.join([*kept, "--results-dir", results_dir])
+
+
+def as_typed(folder: Path) -> str:
+    """A folder as a user types it: relative to the working directory when it lies below it."""
+    relative = os.path.relpath(folder)
+    return relative if not relative.startswith("..") else str(Path(folder).resolve())
+
+
+def results_folder(f: ResultFile) -> str:
+    """The results folder a file was read from (the parent of its device folder), as a user types it."""
+    return as_typed(f.path.parent.parent)
 
 
 def metadata_lines(ctx: Context, other_devices: list[str]) -> list[str]:
     files = ctx.files
-    commands = list(dict.fromkeys(display_command(f.meta["command"]) for f in files if f.meta.get("command")))
+    commands = list(dict.fromkeys(display_command(f.meta["command"], results_folder(f))
+                                  for f in files if f.meta.get("command")))
     first = files[0].meta
     shown = " and ".join(f"`{c}`" for c in commands) or "(no command recorded)"
     lines = [f"Regenerate with {shown}.", ""]
@@ -61,13 +76,14 @@ def metadata_lines(ctx: Context, other_devices: list[str]) -> list[str]:
     return [*lines, ""]
 
 
-def render_section(section: Section, results: list[ResultFile], out_dir: Path,
+def render_section(section: Section, results: list[ResultFile], results_dir: Path, out_dir: Path,
                    report_path: Path) -> tuple[list[str], list[Path]]:
     lines = [f"## {section.title}", ""]
+    device = section_device(section, results)
+    if device is None:
+        command = shlex.join([*shlex.split(section.command), "--results-dir", as_typed(results_dir)])
+        return [*lines, f"Not measured yet: run `{command}`.", ""], []
     mine = [f for f in results if section.matches(f.name)]
-    if not mine:
-        return [*lines, f"Not measured yet: run `{section.command}`.", ""], []
-    device = choose_device(mine)
     files = [f for f in mine if f.device == device]
     others = sorted({f.device for f in mine} - {device})
     ctx = Context(files, out_dir, report_path, results)
@@ -96,7 +112,7 @@ def build_report(results_dir: Path, out: Path,
     body: list[str] = []
     plots: list[Path] = []
     for section in SECTIONS:
-        lines, section_plots = render_section(section, results, out.parent, out)
+        lines, section_plots = render_section(section, results, results_dir, out.parent, out)
         body += lines
         plots += section_plots
     header = [
@@ -110,6 +126,8 @@ def build_report(results_dir: Path, out: Path,
         *(f"- [{s.title}](#{_anchor(s.title)})" for s in SECTIONS),
         "",
     ]
+    if any(section_device(section, results) == "cpu" for section in SECTIONS):
+        header += CPU_LEAD
     if skipped:
         header += ["**Not read**: these files do not parse as results files (cut short or torn), so nothing "
                    "below comes from them; measure them again:", "", *(f"- `{s}`" for s in skipped), ""]
@@ -120,6 +138,23 @@ def build_report(results_dir: Path, out: Path,
     if unreadable is not None:
         unreadable += skipped
     return out, plots
+
+
+CPU_LEAD = [
+    "**Measured on a CPU.** What a CPU run shows here: that every experiment runs end to end, the numerics "
+    "(accumulation errors, the dtypes autocast picks), memory (bytes held per rank: parameters, gradients, "
+    "optimizer state, predicted activations, against the memory models) and structure (buckets, shards, "
+    "which implementation runs where, out-of-memory limits). What it cannot show is speed: its timings "
+    "are a few steps of tiny models on shared CPU cores, so the tables keep them (marked where the noise "
+    "rule finds them noise) and no statement below is read from them. **Speed needs a GPU run.**",
+    "",
+]
+
+
+def section_device(section: Section, results: list[ResultFile]) -> str | None:
+    """The device whose results a section shows (see :func:`choose_device`), or None without any."""
+    mine = [f for f in results if section.matches(f.name)]
+    return choose_device(mine) if mine else None
 
 
 def _anchor(title: str) -> str:
@@ -138,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             action.help = "read every <results-dir>/<device>/<name>.csv"
         elif action.dest == "no_save":
             action.help = "print the report instead of writing it and its plots"
-    parser.add_argument("--out", type=Path, default=Path("docs/report.md"),
-                        help="the report; plots are written beside it")
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR / "report.md",
+                        help="the report; plots are written beside it. The committed docs/report.md is "
+                             "rebuilt only when asked: --results-dir results --out docs/report.md")
     args = parse_args(parser, argv, writes_results=False)
     # A report from no results reads "not measured yet" throughout: never let it replace a real one.
     if not args.results_dir.is_dir():

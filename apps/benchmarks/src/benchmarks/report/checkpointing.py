@@ -14,6 +14,8 @@ from benchmarks.report.core import (
     numeric,
     prefixed,
     style,
+    times_less,
+    value_range,
 )
 
 
@@ -27,33 +29,39 @@ def render_checkpointing(ctx: Context) -> list[str]:
         if missing:
             lines.append(missing_note("The comparison", missing))
         else:
-            lines += [*checkpointing_findings(f.df), "", checkpointing_plot(ctx, f.df) or ""]
+            plot = checkpointing_plot(ctx, f.df) if ctx.measures_speed else None
+            lines += [*checkpointing_findings(ctx, f.df), "", plot]
     limits = ctx.get("checkpointing_max_context")
     if limits is not None:
         lines += ctx.table(limits, "Largest context each policy trains at")
     return lines
 
 
-def checkpointing_findings(df: pd.DataFrame) -> list[str]:
+def checkpointing_findings(ctx: Context, df: pd.DataFrame) -> list[str]:
     df = df.assign(measured=numeric(df["activations_MB"]), model=numeric(df["model_MB"]),
                    time=numeric(df["step_ms"]))
     lines = []
     compared = df.dropna(subset=["measured", "model"])
     if len(compared):
         ratio = compared["measured"] / compared["model"]
-        lines.append(f"- Held activations against the model: measured/model between {ratio.min():.3f} and "
-                     f"{ratio.max():.3f} over {len(compared)} cells.")
+        lines.append(f"- Held activations against the model: measured/model "
+                     f"{value_range(ratio.min(), ratio.max(), '{:.3f}')} over {len(compared)} cells.")
     longest = df[df["context"] == df["context"].max()].set_index("policy")
     if "none" in longest.index:
         base = longest.loc["none"]
-        for policy, row in longest.drop(index="none").iterrows():
+        others = longest.drop(index="none")
+        for policy, row in others.iterrows():
             measured = pd.notna(row["measured"]) and pd.notna(base["measured"])
             column = "measured" if measured else "model"
             memory, reference = row[column], base[column]
             lines.append(f"- context {int(row['context'])}, {policy}: activations "
                          f"{'' if measured else 'predicted '}{in_prose(memory, 4)} MB "
-                         f"({reference / memory:.1f}x less than none), step {in_prose(row['time'], 4)} ms "
-                         f"({(row['time'] / base['time'] - 1) * 100:+.0f}%).")
+                         f"({times_less(memory, reference, 'none')}).")
+        change = (others["time"] / base["time"] - 1) * 100
+        steps = ", ".join(f"{policy} {in_prose(row['time'], 4)} ms ({change[policy]:+.0f}%)"
+                          for policy, row in others.iterrows())
+        lines += ctx.speed(f"- Step time at context {int(base['context'])}, against none's "
+                           f"{in_prose(base['time'], 4)} ms: {steps}." if steps else None)
     return lines
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +23,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from benchmarks.common import OOM, UnreadableResults, console, read_results  # noqa: E402
+from benchmarks.common import OOM, UNDEFINED, UnreadableResults, console, read_results  # noqa: E402
 
 NOT_GPU = {"cpu", "analytic"}
+SPEED_NEEDS_A_GPU = ("- Speed: not read from this CPU run. Its timings (a few steps of tiny models on "
+                     "shared cores) are in the table, marked where the noise rule flags them; speed needs "
+                     "a GPU run.")
+FLOAT_TEXT = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?\d+)?")  # 2.5, 4.59e14; not 16384
 RESULTS_GLOB = "*/*.csv"  # <results-dir>/<device>/<name>.csv, as save_results writes them
 MAX_TABLE_ROWS = 60
 
@@ -125,8 +130,50 @@ def plain(value: object) -> str:
         return str(value)
 
 
+def report_cell(value: object) -> str:
+    """A table cell as the report prints it: no value as '-' (never 'nan'); a float, or a text written as
+    one, in 5 significant digits (459000000000000.0 reads 4.59e+14); whole numbers and other text as
+    they are."""
+    if isinstance(value, str):
+        if value.strip().lower() == "nan":
+            return UNDEFINED
+        if not FLOAT_TEXT.fullmatch(value.strip()):
+            return value
+        value = float(value)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return UNDEFINED
+    return f"{value:.5g}" if isinstance(value, float) else str(value)
+
+
 def markdown_table(df: pd.DataFrame) -> str:
-    return df.to_markdown(index=False, floatfmt=".5g")
+    """df in Markdown, its cells as :func:`report_cell` writes them; numeric columns aligned right."""
+    shown = df.astype(object).map(report_cell) if len(df) else df
+    align = ["right" if pd.api.types.is_numeric_dtype(df[c]) else "left" for c in df.columns]
+    return shown.to_markdown(index=False, disable_numparse=True, colalign=align or None)
+
+
+def value_range(low: float, high: float, fmt: str = "{:.2f}x") -> str:
+    """'1.20x to 1.70x', or '1.70x' where both ends print alike (never '1.70x to 1.70x')."""
+    low_text, high_text = fmt.format(low), fmt.format(high)
+    return low_text if low_text == high_text else f"{low_text} to {high_text}"
+
+
+def median_of(values: pd.Series, fmt: str = "{:.2f}x") -> str:
+    """'1.66x (median; 1.45x to 1.86x)', or '1.62x' where every value prints alike (one value, say)."""
+    spread = value_range(values.min(), values.max(), fmt)
+    median = fmt.format(values.median())
+    return median if spread == median else f"{median} (median; {spread})"
+
+
+def times_less(value: float, reference: float, name: str) -> str:
+    """How value compares with ``name``'s reference: '25.5x less than none', '1.3x more than none', or
+    'about as much as none' where the ratio prints as 1.00 (never '1.0x less than none')."""
+    if not (value > 0 and reference > 0):
+        return f"against {name}: n/a"
+    ratio = reference / value
+    if f"{ratio:.2f}" == "1.00":
+        return f"about as much as {name}"
+    return f"{ratio:.3g}x less than {name}" if ratio > 1 else f"{1 / ratio:.3g}x more than {name}"
 
 
 @dataclass
@@ -144,6 +191,19 @@ class Context:
         """Settings (non-standard metadata) with one value across this section's files."""
         pairs = [settings(f) for f in self.files]
         return {k: v for k, v in pairs[0].items() if all(p.get(k) == v for p in pairs)} if pairs else {}
+
+    @property
+    def measures_speed(self) -> bool:
+        """Whether this section's timings can be findings: they come from a GPU. A CPU run's are a few
+        steps of tiny models on shared cores; its tables keep them, and no prose reads them."""
+        return bool(self.files) and is_gpu(self.files[0].device)
+
+    def speed(self, *lines: str | None) -> list[str]:
+        """Statements about speed where this section's results can show it (a GPU's); from a CPU run, one
+        line saying so instead."""
+        if self.measures_speed:
+            return [line for line in lines if line is not None]
+        return [SPEED_NEEDS_A_GPU] if any(lines) else []
 
     def get(self, name: str) -> ResultFile | None:
         return next((f for f in self.files if f.name == name), None)
@@ -225,7 +285,7 @@ def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True,
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(True, which="both", alpha=0.3)
     xs = sorted({x for line in ax.get_lines() for x in line.get_xdata() if x > 0 and math.isfinite(x)})
-    if logx and 0 < len(xs) <= 12:  # few measured sizes: tick exactly those
+    if logx and 0 < len(xs) <= 12 and labels_apart(xs):  # few measured sizes, apart: tick exactly those
         ax.set_xticks(xs, [f"{x:g}" for x in xs], rotation=45 if len(xs) > 6 else 0)
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         logx = False  # ticks are set: leave the minor formatter alone
@@ -239,6 +299,16 @@ def style(ax: plt.Axes, xlabel: str, ylabel: str, title: str, logx: bool = True,
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     elif handles:
         ax.legend(fontsize=8)
+
+
+def labels_apart(xs: list[float], least: float = 0.08) -> bool:
+    """Whether ticks at each of xs (sorted, positive) on a log axis leave room for their labels: each
+    neighbour at least ``least`` of the axis span away (about a label's width), so that none overprints
+    (step times 307, 311, 351 ms did: '307311351')."""
+    if len(xs) < 2:
+        return True
+    span = math.log(xs[-1] / xs[0])
+    return all(math.log(b / a) >= least * span for a, b in zip(xs, xs[1:], strict=False))
 
 
 def geomean(values: Iterable[float]) -> float:

@@ -41,15 +41,29 @@ def ddp_labels(df: pd.DataFrame) -> pd.Series:
 
 
 def noise_flags(df: pd.DataFrame) -> pd.Series:
-    """Rows whose step time differs from one device's by less than the spread of that difference."""
-    single = df[df["strategy"] == "single"]
-    if "step std" not in df or single.empty:
+    """Rows whose step time differs from one device's by noise, by the rule every table applies
+    (:func:`benchmarks.ddp.noise_against_single`); none where the results lack the columns it reads."""
+    from benchmarks.ddp import noise_against_single
+
+    if not {"strategy", "step ms", "step std"} <= set(df.columns):
         return pd.Series(False, index=df.index)
-    ref, ref_std = float(numeric(single["step ms"]).iloc[0]), float(numeric(single["step std"]).iloc[0])
-    flags = [strategy != "single" and within_noise(step - ref, math.hypot(std, ref_std))
-             for strategy, step, std in zip(df["strategy"], numeric(df["step ms"]), numeric(df["step std"]),
-                                            strict=True)]
-    return pd.Series(flags, index=df.index)
+    return pd.Series(noise_against_single(numeric_rows(df)), index=df.index, dtype=bool)
+
+
+def numeric_rows(df: pd.DataFrame) -> list[dict[str, object]]:
+    """The table's rows as ``python -m benchmarks.ddp`` held them: step times and bucket sizes as numbers."""
+    numbers = [c for c in ("step ms", "step std", "bucket MiB", "x single", "x torch") if c in df.columns]
+    return df.assign(**{c: numeric(df[c]) for c in numbers}).to_dict("records")
+
+
+def noise_marked(df: pd.DataFrame) -> pd.DataFrame:
+    """The table as the report shows it: ratios to one device or to torch DDP that are noise read
+    '~1 (noise)', as ``python -m benchmarks.ddp`` prints them."""
+    from benchmarks.ddp import shown_with_noise
+
+    if not {"strategy", "step ms", "step std", "bucket MiB"} <= set(df.columns):
+        return df
+    return shown_with_noise(numeric_rows(df))
 
 
 def against_single(row: pd.Series, ref: float) -> str:
@@ -62,7 +76,7 @@ def render_ddp(ctx: Context) -> list[str]:
         df = f.df
         facts = [f"{f.meta['model']} model" if "model" in f.meta else "", f.meta.get("precision", ""),
                  f"{f.meta['ranks']} ranks" if "ranks" in f.meta else ""]
-        lines += ctx.table(f, ", ".join(["DDP step time", *filter(None, facts)]))
+        lines += ctx.table(f, ", ".join(["DDP step time", *filter(None, facts)]), noise_marked(df))
         missing = missing_columns(df, ["strategy", "step ms"])
         if missing:
             lines.append(missing_note("The analysis", missing))
@@ -71,9 +85,9 @@ def render_ddp(ctx: Context) -> list[str]:
         single = df[df["strategy"] == "single"]["step"]
         dist = df[(df["strategy"] != "single") & df["step"].notna()].sort_values("step")
         if single.notna().any() and len(dist):
-            lines += step_findings(df, dist, float(single.iloc[0]))
-            lines.append(ddp_prediction(ctx, f, dist[dist["strategy"] == "bucketed"]))
-        lines += ["", ddp_plot(ctx, df), ""]
+            lines += ctx.speed(*step_findings(df, dist, float(single.iloc[0])),
+                               ddp_prediction(ctx, f, dist[dist["strategy"] == "bucketed"]))
+        lines += ["", ddp_plot(ctx, df) if ctx.measures_speed else None, ""]
     return lines
 
 
@@ -101,11 +115,21 @@ def step_findings(df: pd.DataFrame, dist: pd.DataFrame, ref: float) -> list[str]
                          "verdict on the 1.10x goal.")
         else:
             verdict = "meets" if b["step"] / ref <= 1.10 else "misses"
-            change = (b["step"] / torch_ddp["step"].iloc[0] - 1) * 100 if len(torch_ddp) else math.nan
-            against = "." if math.isnan(change) else f"; {change:+.1f}% against torch DDP, same run."
+            against = "." if torch_ddp.empty else f"; {against_torch(b, torch_ddp.iloc[0])}, same run."
             lines.append(f"- Best bucketed: {b['label']}, {b['step'] / ref:.3f}x single ({verdict} the 1.10x "
                          f"goal){against}")
     return lines
+
+
+def against_torch(ours: pd.Series, torch_ddp: pd.Series) -> str:
+    """'+14.4% against torch DDP', or 'within noise of torch DDP' where the noise rule says so (a signed
+    comparison: the size of the difference against its spread)."""
+    change = ours["step"] - torch_ddp["step"]
+    spread = (math.hypot(float(ours["step std"]), float(torch_ddp["step std"]))
+              if "step std" in ours and "step std" in torch_ddp else 0.0)
+    if within_noise(abs(change), spread):
+        return "within noise of torch DDP"
+    return f"{change / torch_ddp['step'] * 100:+.1f}% against torch DDP"
 
 
 def ddp_prediction(ctx: Context, f: ResultFile, bucketed: pd.DataFrame) -> str | None:

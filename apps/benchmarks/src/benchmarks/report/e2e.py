@@ -16,12 +16,14 @@ from benchmarks.report.core import (
     first_oom,
     in_prose,
     is_oom,
+    median_of,
     missing_columns,
     missing_note,
     numeric,
     plain,
     shorten,
     style,
+    value_range,
 )
 
 
@@ -55,7 +57,7 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
         return [missing_note("The analysis", missing)]
     df = df.assign(step=numeric(df["step ms"]))
     variants = [c for c in ("precision", "attention") if c in df.columns and df[c].nunique() > 1]
-    lines = []
+    lines = []  # about speed: a GPU's results only (ctx.speed)
     if "tokens/s" in df.columns and numeric(df["tokens/s"]).notna().any():
         best = df.loc[numeric(df["tokens/s"]).idxmax()]
         which = "".join(f", {best[c]}" for c in variants)
@@ -73,9 +75,11 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
         speedup = (pairs["step_32"] / pairs["step_16"]).dropna()
         if len(speedup):
             top = pairs.loc[speedup.idxmax()]
-            lines.append(f"- bf16 autocast against fp32: {speedup.min():.2f}x to {speedup.max():.2f}x faster "
-                         f"(median {speedup.median():.2f}x over {len(speedup)} pairs); the largest gain is "
-                         f"{top['size']} at context {top['context']}.")
+            where = f"{top['size']} at context {top['context']}"
+            many = (f" (median {speedup.median():.2f}x over {len(speedup)} pairs); the largest gain is "
+                    f"{where}." if len(speedup) > 1 else f" ({where}).")
+            faster = value_range(speedup.min(), speedup.max())
+            lines.append(f"- bf16 autocast against fp32: {faster} faster{many}")
     contexts = sorted(numeric(df["context"]).dropna().unique())
     if len(contexts) > 1:
         lo, hi = contexts[0], contexts[-1]
@@ -94,11 +98,11 @@ def e2e_findings(ctx: Context, f: ResultFile) -> list[str]:
     if {"fwd ms", "bwd ms"} <= set(df.columns):
         ratio = (numeric(df["bwd ms"]) / numeric(df["fwd ms"])).dropna()
         if len(ratio):
-            lines.append(f"- The backward takes {ratio.median():.2f}x the forward (median; "
-                         f"{ratio.min():.2f}x to {ratio.max():.2f}x).")
+            lines.append(f"- Backward time against forward time: {median_of(ratio)}.")
     ooms = first_oom(df, "step ms", "context", ["size", *variants])
+    lines = ctx.speed(*lines)
     lines.append(f"- Out of memory: {'; '.join(ooms)}." if ooms else "- No configuration ran out of memory.")
-    plot = e2e_plot(ctx, f, df, variants)
+    plot = e2e_plot(ctx, f, df, variants) if ctx.measures_speed else None
     return lines + (["", plot] if plot else [])
 
 

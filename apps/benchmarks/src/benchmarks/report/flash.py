@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from benchmarks.flash import shown_with_noise
 from benchmarks.report.core import (
     Context,
     ResultFile,
@@ -50,9 +51,10 @@ def flash_section(ctx: Context, f: ResultFile) -> list[str]:
     sweep = df[df["batch*heads"] == sweep_bh]
     extra = df[df["batch*heads"] != sweep_bh]
     main_pass = "fwd+bwd" if "fwd+bwd" in passes else passes[-1]
-    digest = flash_digest(sweep, main_pass)
+    digest = flash_digest(shown_with_noise(sweep), main_pass)
     lines = ctx.table(f, f"{main_pass} ms by T and implementation at one d and dtype; all {len(df)} rows, "
                          "every pass, TFLOP/s and speedups are in the csv", digest)
+    speed: list[str] = []  # a GPU's results only (ctx.speed)
     for dtype, rows in sweep.groupby("dtype", sort=False):
         for p in passes:
             times = rows.assign(ms=numeric(rows[f"{p} ms"])).dropna(subset=["ms"])
@@ -61,7 +63,7 @@ def flash_section(ctx: Context, f: ResultFile) -> list[str]:
             winners = times.loc[times.groupby(["T", "d"])["ms"].idxmin(), "impl"].value_counts()
             cells = times.groupby(["T", "d"]).ngroups
             counts = ", ".join(f"{impl} in {n}" for impl, n in winners.items())
-            lines.append(f"- {dtype} {p}: fastest {counts} of {cells} (T, d) cells.")
+            speed.append(f"- {dtype} {p}: fastest {counts} of {cells} (T, d) cells.")
         base = flash_baseline(df, rows[rows["impl"] == "triton"])
         if base:
             mine = rows[rows["impl"] == "triton"]
@@ -76,19 +78,21 @@ def flash_section(ctx: Context, f: ResultFile) -> list[str]:
                         parts.append(f"{p} {geomean(values):.2f}x (best {values.max():.2f}x at "
                                      f"T={plain(best['T'])}, d={plain(best['d'])})")
             if parts:
-                lines.append(f"- Triton over SDPA {base}, {dtype}, T >= {numeric(long['T']).min():.0f} "
+                speed.append(f"- Triton over SDPA {base}, {dtype}, T >= {numeric(long['T']).min():.0f} "
                              "(geometric mean): " + "; ".join(parts) + ".")
     ooms = [f"{impl}: {'; '.join(found)}" for impl, rows in df.groupby("impl", sort=False)
             if (found := first_oom(rows, f"{main_pass} ms", "T", ["dtype", "d"]))]
-    lines.append(f"- Out of memory: {' | '.join(ooms)}." if ooms else "- No cell ran out of memory.")
-    lines += flash_peak_throughput(sweep, main_pass)
+    speed += flash_peak_throughput(sweep, main_pass)
     for key, rows in extra.groupby(["batch*heads", "T", "d", "dtype"], sort=False):
         times = rows.assign(ms=numeric(rows[f"{main_pass} ms"])).dropna(subset=["ms"]).sort_values("ms")
         if len(times):
-            lines.append(f"- Shape {key[0]}x{key[1]}x{key[2]} {key[3]}, {main_pass}: "
+            speed.append(f"- Shape {key[0]}x{key[1]}x{key[2]} {key[3]}, {main_pass}: "
                          + ", ".join(f"{r.impl} {r.ms:.3g} ms" for r in times.itertuples()) + ".")
-    lines += ["", flash_speedup_plot(ctx, f.name, df, sweep, passes),
-              flash_time_plot(ctx, f.name, sweep, main_pass)]
+    lines += ctx.speed(*speed)
+    lines.append(f"- Out of memory: {' | '.join(ooms)}." if ooms else "- No cell ran out of memory.")
+    if ctx.measures_speed:
+        lines += ["", flash_speedup_plot(ctx, f.name, df, sweep, passes),
+                  flash_time_plot(ctx, f.name, sweep, main_pass)]
     return lines
 
 

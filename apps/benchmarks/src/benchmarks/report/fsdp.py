@@ -15,6 +15,7 @@ from benchmarks.report.core import (
     numeric,
     prefixed,
     stacked_bars,
+    times_less,
 )
 from benchmarks.report.overlap import overlap_panel, overlap_sentence
 
@@ -32,7 +33,7 @@ def render_fsdp(ctx: Context) -> list[str]:
         if missing:
             lines += [missing_note("The comparison", missing), ""]
             continue
-        lines += [*fsdp_findings(f.df), "", fsdp_plot(ctx, f.df) or "", *overlap_lines(ctx, f.df)]
+        lines += [*fsdp_findings(ctx, f.df), "", fsdp_plot(ctx, f.df) or "", *overlap_lines(ctx, f.df)]
     return lines
 
 
@@ -49,7 +50,7 @@ def overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
     return ["", sentence, "", ctx.figure("fsdp_overlap", fig, "communication overlap per strategy and dtype")]
 
 
-def fsdp_findings(df: pd.DataFrame) -> list[str]:
+def fsdp_findings(ctx: Context, df: pd.DataFrame) -> list[str]:
     by = df.assign(params=numeric(df["params_MB"]), model=numeric(df["model_params_MB"]),
                    time=numeric(df["iteration_ms"]), peak=numeric(df["peak_MB"]))
     by = by.set_index(["strategy", "compute"])
@@ -63,15 +64,15 @@ def fsdp_findings(df: pd.DataFrame) -> list[str]:
         if "torch-ddp" in cases:
             ddp = cases["torch-ddp"]["params"]
             lines.append(f"- {compute}: minddp.FSDP holds {in_prose(ours['params'], 4)} MB of parameters "
-                         f"per rank, {ddp / ours['params']:.2f}x less than DDP ({in_prose(ddp, 4)} MB); the "
+                         f"per rank, {times_less(ours['params'], ddp, 'DDP')} ({in_prose(ddp, 4)} MB); the "
                          f"model predicts {in_prose(ours['model'], 4)} MB.")
         if "torch-fsdp2" in cases:
             theirs = cases["torch-fsdp2"]
             time, peak = ours["time"] / theirs["time"] - 1, ours["peak"] / theirs["peak"] - 1
-            lines.append(f"- {compute}: minddp.FSDP {in_prose(ours['time'], 4)} ms per iteration against "
-                         f"FSDP2's {in_prose(theirs['time'], 4)} ms ({time * 100:+.1f}%); peak "
-                         f"{in_prose(ours['peak'], 4)} MB a rank against {in_prose(theirs['peak'], 4)} MB "
-                         f"({peak * 100:+.1f}%).")
+            lines += ctx.speed(f"- {compute}: minddp.FSDP {in_prose(ours['time'], 4)} ms per iteration "
+                               f"against FSDP2's {in_prose(theirs['time'], 4)} ms ({time * 100:+.1f}%); peak "
+                               f"{in_prose(ours['peak'], 4)} MB a rank against "
+                               f"{in_prose(theirs['peak'], 4)} MB ({peak * 100:+.1f}%).")
     return lines
 
 

@@ -15,6 +15,7 @@ from benchmarks.report.core import (
     numeric,
     prefixed,
     stacked_bars,
+    times_less,
 )
 from benchmarks.report.overlap import overlap_panel, overlap_sentence
 
@@ -38,14 +39,16 @@ def render_shardopt(ctx: Context) -> list[str]:
         else:
             it = dict(zip(df["optimizer"], numeric(df["iteration_ms"]), strict=True))
             base = next((k for k in it if "unsharded" in k), None)
+            speed = []  # a GPU's results only (ctx.speed)
             for name, ms in it.items():
                 if name != base and base:
-                    lines.append(f"- {name}: {ms:.4g} ms per iteration, {(ms / it[base] - 1) * 100:+.1f}% "
+                    speed.append(f"- {name}: {ms:.4g} ms per iteration, {(ms / it[base] - 1) * 100:+.1f}% "
                                  f"against {base} ({it[base]:.4g} ms).")
             if {"ShardedOptimizer", "ZeroRedundancyOptimizer"} <= it.keys():
                 delta = it["ShardedOptimizer"] / it["ZeroRedundancyOptimizer"] - 1
-                lines.append(f"- ShardedOptimizer against ZeroRedundancyOptimizer: {delta * 100:+.1f}% per "
+                speed.append(f"- ShardedOptimizer against ZeroRedundancyOptimizer: {delta * 100:+.1f}% per "
                              "iteration.")
+            lines += ctx.speed(*speed)
         lines += overlap_lines(ctx, df)
         lines.append("")
     if goal is not None:
@@ -54,10 +57,16 @@ def render_shardopt(ctx: Context) -> list[str]:
         if not missing_columns(df, ["criterion", "measured", "limit"]):
             for r in df.itertuples(index=False):
                 ok = float(r.measured) <= float(r.limit)
-                lines.append(f"- {r.criterion}: {float(r.measured):.4g} against {float(r.limit):.4g}: "
-                             f"{'met' if ok else 'not met'}.")
+                verdict = (f"- {r.criterion}: {float(r.measured):.4g} against {float(r.limit):.4g}: "
+                           f"{'met' if ok else 'not met'}.")
+                lines += ctx.speed(verdict) if is_time(str(r.criterion)) else [verdict]
         lines.append("")
     return lines
+
+
+def is_time(criterion: str) -> bool:
+    """Whether a goal's criterion compares times ('... step <= ... step (ms)'): not a CPU run's to judge."""
+    return criterion.endswith("(ms)")
 
 
 def overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
@@ -84,7 +93,7 @@ def shardopt_memory_findings(ctx: Context, df: pd.DataFrame) -> list[str]:
         for name, mb in state.items():
             if name != base:
                 lines.append(f"- Optimizer state per rank after the step: {name} {in_prose(mb, 4)} MB, "
-                             f"{state[base] / mb:.2f}x less than {base} ({in_prose(state[base], 4)} MB).")
+                             f"{times_less(mb, state[base], base)} ({in_prose(state[base], 4)} MB).")
     if "peak_MB" in df:
         peak = numeric(df.set_index(["optimizer", "phase"])["peak_MB"]).dropna()
         if len(peak):
