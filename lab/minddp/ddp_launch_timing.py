@@ -13,7 +13,7 @@ between its last gradient and its launch (a bucket launches only after the ones 
 bucket's wait and the longest. A gradient is ready when this script's tensor hook sees it computed,
 before either wrapper's hook runs.
 
-    PYTHONPATH=packages/minddp/src:apps/benchmarks/src python3 lab/ddp_launch_timing.py
+    PYTHONPATH=packages/minddp/src:apps/benchmarks/src python3 lab/minddp/ddp_launch_timing.py
 """
 
 from __future__ import annotations
