@@ -349,3 +349,22 @@ def test_terminal_tables_at_80_columns_cut_no_cell(monkeypatch):
     assert "a table wider than the terminal (part 1 of" in text
     headers = " ".join(text.split())
     assert all(word in headers for column in df.columns for word in column.split())
+
+
+def test_a_table_that_names_its_rows_last_names_them_in_every_part(monkeypatch):
+    """A kernel summary opens with measurements and ends with the kernel's Name: split to fit 80
+    columns, every part still says which kernel each row is."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    terminal = Console(file=screen, width=80, force_terminal=True, color_system=None)
+    monkeypatch.setattr(common, "console", terminal)
+    names = ["aten::mm", "aten::_log_softmax", "aten::mul"]
+    measured = {header: [59.6 * (i + 1), 1477230.4, 93319.5] for i, header in enumerate(
+        ["Time (%)", "Total Time (ns)", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)", "StdDev (ns)"])}
+    common.print_table(pd.DataFrame({**measured, "Name": names}), "forward: top 3 kernels")
+    parts = screen.getvalue().split("forward: top 3 kernels")[1:]
+    assert len(parts) > 1
+    assert all(name in part for part in parts for name in names)

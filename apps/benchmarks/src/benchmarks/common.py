@@ -448,13 +448,17 @@ def _comfortable_width(header: str, texts: list[str]) -> int:
 
 
 def key_columns(cells: dict[str, list[str]], width: int, fractional: dict[str, bool]) -> list[str]:
-    """The leading columns that name a row (up to the first holding a fraction, such as a time), repeated
-    in every part of a table too wide for the terminal; as many of them as fit in 40% of its width."""
+    """The columns that name a row, repeated in every part of a table too wide for the terminal: the
+    leading ones up to the first holding a fraction (such as a time), or, where a table opens with
+    measurements and names its rows last (a kernel summary's Name), its text columns; as many of them as
+    fit in 40% of its width."""
     keys: list[str] = []
     for column in cells:
         if fractional[column]:
             break
         keys.append(column)
+    if not keys:
+        keys = [c for c in cells if not any(map(_is_number_text, cells[c]))]
     keys = keys[:-1] if len(keys) == len(cells) else keys
     while keys[1:] and sum(_needed_width(k, cells[k]) + _CELL_FRAME for k in keys) > 0.4 * width:
         constant = [k for k in keys if len(set(cells[k])) == 1]  # the first part shows those
