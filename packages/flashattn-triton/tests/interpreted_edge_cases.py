@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashattn_triton import flash_attention, flash_attention_varlen, ops, triton_impl
+from flashattn_triton._dispatch import FEATURES, TUNED
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_triton_interpreter.py (needs TRITON_INTERPRET=1)", allow_module_level=True)
@@ -44,13 +45,19 @@ def test_infinite_inputs_give_sdpas_pattern_at_full_float32(case, like_sdpa, ful
     if name == "k":
         inputs["q"] = inputs["q"].round()
     q, k, v = inputs.values()
-    options = {"attn_mask": None, "window_left": -1, "window_right": 0 if is_causal else -1,
-               "diagonal_offset": 0, "cu_seqlens_q": None}  # fmt: skip
-    assert ops._path(q, k, options) == "tuned"
+    assert _backend(q, k, v, window_right=0 if is_causal else -1) == TUNED
     got = like_sdpa.results(flash_attention, q, k, v, is_causal=is_causal)
     want = like_sdpa.results(like_sdpa.sdpa, q, k, v, is_causal=is_causal)
     assert not want[0].isnan().all()  # (a case where rows differ)
     like_sdpa.check(got, want)
+
+
+def _backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> str:
+    """The backend the dispatch table picks for the forward of these tensors (no mask, no dropout)."""
+    return ops._route("fwd", (q, k, v), {"attn_mask": None, "dropout_p": 0.0, "window_left": -1,
+                                         "window_right": -1, "diagonal_offset": 0, "cu_seqlens_q": None,
+                                         "cu_seqlens_k": None, "max_seqlen_q": 0, "max_seqlen_k": 0,
+                                         **options})  # fmt: skip
 
 
 def _qkv(*shape: int):
@@ -63,8 +70,7 @@ def test_strided_cu_seqlens_on_the_feature_kernels(full_float32_precision):
     (packed float32 at full accuracy goes there): out was off by 4e35. Each sequence against SDPA alone."""
     q, k, v = _qkv(14, 2, 16)
     cu = torch.tensor([0, 0, 5, 5, 14, 14], dtype=torch.int32)[::2]
-    assert ops._path(q, k, {"attn_mask": None, "window_left": -1, "window_right": -1, "diagonal_offset": 0,
-                            "cu_seqlens_q": cu}) == "features"  # fmt: skip
+    assert _backend(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9, max_seqlen_k=9) == FEATURES
     out = flash_attention_varlen(q, k, v, cu, cu, 9, 9)
     for start, end in ((0, 5), (5, 14)):
         sequence = (t[start:end].transpose(0, 1) for t in (q, k, v))
