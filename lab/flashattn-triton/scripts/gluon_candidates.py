@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_triton import _hopper, _planning
+from flashattn_triton import _dispatch, _planning
 from flashattn_triton._inputs import input_precision
 from flashattn_triton._launcher import gpu_milliseconds
 from flashattn_triton._planning import Problem, describe
@@ -74,7 +74,8 @@ def candidates(pass_name: str, tensors: tuple, is_causal: bool, left: int | None
     (batch, heads, seqlen, head_dim), kv_heads = q.shape, k.shape[1]
     band = _planning.band_of(window_of(left), is_causal)
     taken = (q, k, v) if pass_name == "fwd" else (q, k, v, grad_out, grad_out)
-    hopper = _hopper.supports(pass_name, q, taken, head_dim, band)
+    window = _dispatch.window_of(window_of(left), is_causal)
+    hopper = _dispatch.choose(_dispatch.describe(pass_name, q, k, taken, window=window)) == _dispatch.GLUON
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     span, group = _planning.band_span(band, seqlen, seqlen), heads // kv_heads
     problem = Problem(pass_name, batch * heads, seqlen, seqlen, head_dim, DTYPE, is_causal,

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_triton import _hopper, _planning, torch_impl
+from flashattn_triton import _dispatch, _planning, torch_impl
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
 from flashattn_triton._dropout import draw_rng
 from flashattn_triton._inputs import input_precision, padded_head_dim
@@ -48,6 +48,14 @@ def parse_extra(text: str) -> dict[str, list]:
     return extra
 
 
+def gluon_takes(which: str, q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether the dispatch table runs this causal problem on the Gluon kernels (so they are candidates)."""
+    tensors = (q,) * (3 if which == "fwd" else 5)
+    description = _dispatch.describe(which, q, q, tensors, window=(_dispatch.UNBOUNDED, 0),
+                                     dropout=dropout_p > 0.0)  # fmt: skip
+    return _dispatch.choose(description) == _dispatch.GLUON
+
+
 def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
                extra: dict[str, list], dropout_p: float) -> list:  # fmt: skip
     """The candidates the launcher tunes among for this problem (_planning.candidates, the same function),
@@ -57,7 +65,7 @@ def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: tor
     q = torch.empty(1, batch_heads, seq, head_dim, device="cuda", dtype=dtype)
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     problem = Problem(which, batch_heads, seq, seq, padded, dtype, CAUSAL, input_precision(dtype), sm_count,
-                      hopper=_hopper.supports(which, q, (q,) * (3 if which == "fwd" else 5), padded),
+                      hopper=gluon_takes(which, q, dropout_p),
                       dropout=dropout_p > 0.0)  # fmt: skip
     listed = _planning.candidates(problem)
     return listed + [c for c in extra[which] if c not in listed]

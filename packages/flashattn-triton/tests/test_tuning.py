@@ -210,7 +210,7 @@ def test_programs_a_kv_head_are_offered_to_grouped_problems_without_causal_masks
 
 def test_grouped_problems_are_offered_hopper_kernels_where_supported_and_tune_apart():
     """Grouped-query attention (K/V heads shared by a group of query heads) is offered the Gluon kernels
-    where _hopper.supports says they take it (Problem.hopper), and keeps its tuned choice apart from
+    where _dispatch takes it (Problem.hopper), and keeps its tuned choice apart from
     attention without groups, by the group's size class."""
     problem = Problem("bwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
     grouped = dataclasses.replace(problem, group=8)
@@ -231,7 +231,7 @@ def test_small_problems_are_offered_split_key_tiles_by_size_class():
 
 def test_bands_tune_apart_and_get_split_key_tiles_only_where_their_span_is_long():
     """A band (sliding window) is tuned apart from the full problem and by its span's size class; the
-    Gluon kernels are its candidates where _hopper.supports takes it (a causal window); split key tiles
+    Gluon kernels are its candidates where _dispatch takes it (a causal window); split key tiles
     are offered by the keys a query tile walks, its band's span rather than Tk."""
     full = Problem("fwd", 64, 8192, 8192, 64, torch.bfloat16, True, "tf32", 132, hopper=True)
     band = dataclasses.replace(full, band_span=1025)

@@ -174,7 +174,7 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
 
 
 # The Gluon kernels on Hopper (Triton 3.6), for the problems
-# _hopper.supports; the launcher's tuner times them after the Triton-language candidates. The register
+# _dispatch takes them; the launcher's tuner times them after the Triton-language candidates. The register
 # cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
 # backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
 # time with transposed scores, or 64 in FA3's query-major form with 2
@@ -203,7 +203,7 @@ HOPPER_BACKWARD_PER_KV_HEAD = {128: [replace(c, per_kv_head=True) for c in HOPPE
 def hopper_candidates(pass_name: str, block_d: int,
                       per_kv_head: bool = False) -> list[ForwardConfig | BackwardConfig]:
     """The Gluon kernel's candidates for pass_name ("fwd" or "bwd") at head dim block_d (one
-    _hopper.supports takes); with per_kv_head, the backward's programs of one a tile also as programs a
+    _dispatch takes); with per_kv_head, the backward's programs of one a tile also as programs a
     K/V head's tile (grouped-query attention)."""
     if pass_name == "fwd":
         return list(HOPPER_FORWARD)

@@ -98,7 +98,7 @@ class Problem:
     """One pass ("fwd" or "bwd") of one attention problem, as far as choosing its kernels goes.
 
     head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
-    layout (_hopper.supports); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
+    layout (_dispatch); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
     must be bitwise repeatable (no atomic dQ); band_span: under a band (a sliding window), the keys a
     query row's band spans, at most seqlen_k (0: no band); dropout: the pass drops probabilities (the
     Gluon kernels do not); group: query heads per K/V head (grouped-query attention above 1; batch_heads

@@ -187,7 +187,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
         return Launcher(kernels.attn_fwd, (query_tiles,), c)
 
     def args(c: ForwardConfig) -> dict[str, Any] | tuple[dict[str, Any], dict[str, Any]]:
-        if c.hopper:  # (_hopper.supports: T a multiple of 128, heads where _hopper.head_layout finds them)
+        if c.hopper:  # (_dispatch: T a multiple of 128, heads where _hopper.head_layout finds them)
             sm_count = plan.problem.sm_count if c.persistent else None
             return _hopper.forward_args(q_in, k_in, v_in, o4, lse, c.block_m, c.block_n, c.num_stages,
                                         is_causal, scale, mask_args, sm_count)  # fmt: skip
@@ -308,7 +308,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         if c.atomic_dq:
             dq_acc = (torch.zeros if delta is None else torch.empty)(runs, heads, dq_acc_rows, block_d,
                                                                       dtype=torch.float32, device=q.device)
-        if c.hopper:  # (_hopper.supports: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
+        if c.hopper:  # (_dispatch: T a multiple of 128 and d = block_d, so dq_acc is (Z, H, T, d))
             sm_count = plan.problem.sm_count if c.persistent else None
             return _hopper.backward_args(q_in, k_in, v_in, do_in, *kv_targets(c), dq_acc, lse, delta,
                                          c.block_m, c.block_n, c.num_stages, is_causal, scale, mask_args,
