@@ -176,7 +176,8 @@ def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch
     run_steps(work.step, args.warmup, args.iters, clock)
     back_to_back = work.back_to_back_s(args.iters)
     traced = args.trace_steps > 0
-    comm = trace_comm(work.step, OPTIMIZERS[kind], args.trace_steps, args.trace_dir) if traced else {}
+    settle = work.optimizer.finish_param_gather if isinstance(work.optimizer, ShardedOptimizer) else None
+    comm = trace_comm(work.step, OPTIMIZERS[kind], args.trace_steps, args.trace_dir, settle) if traced else {}
     # One more iteration, untimed, with the peak window opened at its start.
     reset_peak_memory(device)
     work.forward_backward()
