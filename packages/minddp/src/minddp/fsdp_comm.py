@@ -82,7 +82,7 @@ class FlatCollectives:
             return
         op = dist.ReduceOp.AVG if self._average_in_place else dist.ReduceOp.SUM
         dist.all_reduce(tensor, op=op, group=self.group)
-        if not self._average_in_place and self.world_size > 1:
+        if not self._average_in_place:
             tensor.div_(self.world_size)
 
     def _works(self, attempt: Callable[[], None]) -> bool:
