@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from profkit.tables import format_table
-from profkit.traces import load_trace, trace_files
+from profkit.traces import load_trace, timed_events, trace_files
 
 __all__ = [
     "Collective",
@@ -160,7 +160,7 @@ class RankTimeline:
 
 
 def _events(document: Mapping[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in document.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    return timed_events(document.get("traceEvents", []))
 
 
 def _interval(event: Mapping[str, Any], offset_ns: float) -> Interval:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 
 from profkit.timing import PhaseClock, Step, run_steps
+from profkit.traces import timed_events
 
 OUTSIDE = "outside phases"
 DEFAULT_PHASES = ("forward", "backward", "optimizer")
@@ -275,7 +276,7 @@ def events_from_chrome(document: dict[str, Any]) -> list[TraceEvent]:
     def ns(value: Any) -> int:
         return round(float(value) * 1e3)
 
-    complete = [e for e in document.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    complete = timed_events(document.get("traceEvents", []))
     kinds: dict[str, EventKind] = {"user_annotation": "range", "cpu_op": "op"}
     launched_by = {e["args"]["External id"]: ns(e["ts"]) for e in complete
                    if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}

@@ -23,7 +23,7 @@ import gzip
 import json
 import re
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,6 +242,11 @@ def _nest(events: list[dict[str, Any]]) -> list[_Slice]:
     return slices
 
 
+def timed_events(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The complete events ("ph": "X") that carry a duration: ranges, operators, kernels, collectives."""
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
 def _window(events: list[dict[str, Any]], names: dict[tuple[Any, Any], str]) -> tuple[float, float]:
     """The first "step i" range on profkit's track, else the whole trace (µs)."""
     steps = [
@@ -254,7 +259,7 @@ def _window(events: list[dict[str, Any]], names: dict[tuple[Any, Any], str]) -> 
     if steps:
         first = min(steps, key=lambda e: float(e["ts"]))
         return float(first["ts"]), float(first["ts"]) + float(first["dur"])
-    timed = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    timed = timed_events(events)
     return min(float(e["ts"]) for e in timed), max(float(e["ts"]) + float(e["dur"]) for e in timed)
 
 
