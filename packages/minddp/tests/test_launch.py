@@ -49,6 +49,26 @@ def test_a_failing_rank_is_named_with_its_traceback():
     assert "ZeroDivisionError" in failure.value.worker_traceback
 
 
+def last_rank_leaves(how: str) -> None:
+    """The last rank raises (or exits) while the others wait for it in a collective, which then fails."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        if how == "raise":
+            raise ValueError("the cause")
+        os._exit(3)
+    dist.barrier()
+
+
+@pytest.mark.parametrize(("how", "cause"), [("raise", "ValueError: the cause"),
+                                            ("exit", "exited with code 3 without a result")])
+def test_the_rank_that_failed_first_is_named_with_the_others_it_took_down(how, cause):
+    # the waiting ranks' errors ("Connection reset/closed by peer") can reach the launcher first
+    with pytest.raises(WorkerError) as failure:
+        spawn(last_rank_leaves, 3, (how,), timeout_s=HANG_GUARD_S, start_method="fork")
+    assert failure.value.rank == 2 and cause in failure.value.worker_traceback
+    assert sorted(failure.value.other_failures) == [0, 1]
+    assert str(failure.value).startswith("rank 2 failed first:") and "then rank 0 failed:" in str(failure.value)
+
+
 def test_a_rank_that_dies_without_a_result_is_named():
     with pytest.raises(WorkerError, match="exited with code 3 without a result"):
         spawn(os._exit, 2, (3,), timeout_s=HANG_GUARD_S, start_method="fork")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +37,12 @@ def metrics(report: CommReport) -> dict[str, Any]:
     }
 
 
-def trace_comm(step: Step, label: str, steps: int, trace_dir: str | Path | None = None,
-               settle: Callable[[], None] | None = None) -> dict[str, Any]:
+def trace_comm(step: Step, label: str, steps: int, trace_dir: str | Path | None = None) -> dict[str, Any]:
     """Trace ``steps`` calls of ``step(phase)`` on every rank and return :func:`metrics` on every rank.
 
     Traces are kept in ``trace_dir`` (as ``<label>_rank<r>.json.gz``, to open in Perfetto) when given.
-    ``settle`` waits for communication a step leaves in flight (an optimizer's parameter all-gathers, say):
-    it runs before tracing and before the traces are gathered, so that no collective of a step is still
-    running across the trace's edges or beside the gather.
+    ``step`` must leave no asynchronous collective in flight when it returns (see :func:`profkit.trace`).
     """
-    if settle is not None:
-        settle()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     name = re.sub(r"[^A-Za-z0-9.]+", "_", label).strip("_")
@@ -56,8 +50,6 @@ def trace_comm(step: Step, label: str, steps: int, trace_dir: str | Path | None 
         folder = Path(trace_dir) if trace_dir is not None else Path(scratch)
         path = profkit.trace(step, path=folder / f"{name}_rank{{rank}}.json.gz", warmup=0, steps=steps)
         document = profkit.load_trace(path)
-    if settle is not None:
-        settle()
     if world == 1:
         return metrics(profkit.analyze_comm([document]))
     documents: list[Any] | None = [None] * world if rank == 0 else None

@@ -154,6 +154,14 @@ class Workload:
         with phase("optimizer step"):
             self.optimizer.step()
 
+    def step_then_forward_backward(self, phase: Callable[[str], Any]) -> None:
+        """:meth:`step` turned around, for tracing: overlap_with's parameter all-gathers, which the optimizer
+        step starts, run beside the forward that waits for them, and none is in flight when it returns."""
+        with phase("optimizer step"):
+            self.optimizer.step()
+        with phase("forward+backward"):
+            self.forward_backward()
+
     def back_to_back_s(self, iterations: int) -> float:
         """Seconds per iteration over ``iterations`` run without synchronizing between them."""
         synchronize(self.device)
@@ -175,9 +183,10 @@ def measure(kind: str, cfg: ModelConfig, args: argparse.Namespace, device: torch
     clock = PhaseClock(device)
     run_steps(work.step, args.warmup, args.iters, clock)
     back_to_back = work.back_to_back_s(args.iters)
-    traced = args.trace_steps > 0
-    settle = work.optimizer.finish_param_gather if isinstance(work.optimizer, ShardedOptimizer) else None
-    comm = trace_comm(work.step, OPTIMIZERS[kind], args.trace_steps, args.trace_dir, settle) if traced else {}
+    comm = {}
+    if args.trace_steps > 0:
+        work.forward_backward()  # the traced steps start with the optimizer step
+        comm = trace_comm(work.step_then_forward_backward, OPTIMIZERS[kind], args.trace_steps, args.trace_dir)
     # One more iteration, untimed, with the peak window opened at its start.
     reset_peak_memory(device)
     work.forward_backward()

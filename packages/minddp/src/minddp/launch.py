@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import dataclasses
 import datetime
+import faulthandler
 import multiprocessing
 import os
 import queue
@@ -49,12 +51,21 @@ BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 
 
 class WorkerError(RuntimeError):
-    """A worker raised or died: its ``rank`` and ``worker_traceback`` (or how it ended)."""
+    """A worker raised or died: its ``rank`` and ``worker_traceback`` (or how it ended).
 
-    def __init__(self, rank: int, worker_traceback: str) -> None:
-        super().__init__(f"rank {rank} failed:\n{worker_traceback}")
+    When several ranks fail, ``rank`` is the one that failed first (the others often fail because it
+    left their collectives: "Connection reset by peer"), and ``other_failures`` maps each other failed
+    rank to its traceback or how it ended.
+    """
+
+    def __init__(self, rank: int, worker_traceback: str, other_failures: dict[int, str] | None = None) -> None:
         self.rank = rank
         self.worker_traceback = worker_traceback
+        self.other_failures = dict(other_failures or {})
+        message = f"rank {rank} failed" + (" first" if self.other_failures else "") + f":\n{worker_traceback}"
+        for other, how in sorted(self.other_failures.items()):
+            message += f"\nthen rank {other} failed:\n{how}"
+        super().__init__(message)
 
 
 def under_torchrun() -> bool:
@@ -116,24 +127,38 @@ def spawn(fn: Callable[..., T], nproc: int, args: Sequence[Any] = (), *, backend
     for p in procs:
         p.start()
     finished: dict[int, Any] = {}
+    failures: dict[int, _Failure] = {}
     deadline = time.monotonic() + timeout_s
     succeeded = False
     try:
-        while len(finished) < nproc:
+        while len(finished) + len(failures) < nproc:
+            # After a first failure the others get a moment to report theirs, then are stopped.
+            wait_until = deadline if not failures else min(
+                deadline, min(f.at for f in failures.values()) + _FAILURE_REPORT_S)
             try:
-                rank, error, result = results.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+                rank, error, result, failed_at = results.get(
+                    timeout=max(0.01, min(1.0, wait_until - time.monotonic())))
             except queue.Empty:
                 for rank, p in enumerate(procs):
-                    if rank not in finished and p.exitcode is not None:
-                        raise WorkerError(rank, f"exited with code {p.exitcode} without a result") from None
-                if time.monotonic() >= deadline:
-                    running = [r for r in range(nproc) if r not in finished]
-                    raise TimeoutError(f"ranks {running} still running after timeout_s={timeout_s:.0f} s; "
-                                       "killed them") from None
+                    if rank not in finished and rank not in failures and p.exitcode is not None:
+                        failures[rank] = _Failure(time.monotonic(), f"{_how_it_ended(p.exitcode)} without a result",
+                                                  died=True)
+                if time.monotonic() >= wait_until:
+                    break
                 continue
-            if error is not None:
-                raise WorkerError(rank, error)
-            finished[rank] = result
+            if error is None:
+                finished[rank] = result
+            else:
+                failures[rank] = _Failure(failed_at, error, died=False)
+        if failures:
+            first = min(failures, key=lambda r: failures[r].precedence())
+            others = {r: f.how for r, f in failures.items() if r != first}
+            others.update({r: "still running when stopped" for r in range(nproc)
+                           if r not in finished and r not in failures})
+            raise WorkerError(first, failures[first].how, others)
+        if len(finished) < nproc:
+            running = [r for r in range(nproc) if r not in finished]
+            raise TimeoutError(f"ranks {running} still running after timeout_s={timeout_s:.0f} s; killed them")
         succeeded = True
     finally:
         _stop(procs, grace_s=30.0 if succeeded else 0.0)
@@ -221,6 +246,7 @@ def _exit_with_parent(parent_pid: int, rank: int) -> None:
 def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, nproc: int, backend: str, port: int,
             timeout_s: float, threads: int, results: multiprocessing.Queue, parent_pid: int) -> None:
     _exit_with_parent(parent_pid, rank)
+    faulthandler.enable()  # a crash prints every thread's Python stack to stderr, where the launcher shows it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     try:
@@ -229,12 +255,32 @@ def _worker(fn: Callable[..., Any], args: Sequence[Any], rank: int, nproc: int, 
         torch.set_num_threads(threads)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        results.put((rank, None, fn(*args)))
+        results.put((rank, None, fn(*args), 0.0))
     except BaseException:
-        results.put((rank, traceback.format_exc(), None))
+        results.put((rank, traceback.format_exc(), None, time.monotonic()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_FAILURE_REPORT_S = 10.0  # how long the other ranks get to report once one has failed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    at: float  # time.monotonic() (one clock for every process of a host) when it raised or was seen dead
+    how: str  # its traceback, or how it ended
+    died: bool  # ended without reporting: a crash or an exit, which the other ranks' errors then follow
+
+    def precedence(self) -> tuple[bool, float]:
+        """Sorts the failure that caused the others first: a death, else the earliest error."""
+        return (not self.died, self.at)
+
+
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
 
 
 def _stop(procs: list[Any], grace_s: float) -> None:

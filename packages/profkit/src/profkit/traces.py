@@ -111,6 +111,9 @@ def trace(
 
     ``step`` is the function :func:`profkit.time_phases` takes; here its phases only mark ranges
     (no device synchronization), so communication overlaps across them as it does untraced.
+    Let no asynchronous collective run on when ``step`` returns (wait for it inside the step, or turn
+    the step around so that it ends after the work that waits for it): torch's profiler can crash the
+    process when a gloo collective that began inside the trace ends after the trace stops.
     """
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be >= 0")
