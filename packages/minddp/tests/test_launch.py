@@ -66,7 +66,8 @@ def test_the_rank_that_failed_first_is_named_with_the_others_it_took_down(how, c
         spawn(last_rank_leaves, 3, (how,), timeout_s=HANG_GUARD_S, start_method="fork")
     assert failure.value.rank == 2 and cause in failure.value.worker_traceback
     assert sorted(failure.value.other_failures) == [0, 1]
-    assert str(failure.value).startswith("rank 2 failed first:") and "then rank 0 failed:" in str(failure.value)
+    message = str(failure.value)
+    assert message.startswith("rank 2 failed first:") and "then rank 0 failed:" in message
 
 
 def test_a_rank_that_dies_without_a_result_is_named():

@@ -58,7 +58,8 @@ class WorkerError(RuntimeError):
     rank to its traceback or how it ended.
     """
 
-    def __init__(self, rank: int, worker_traceback: str, other_failures: dict[int, str] | None = None) -> None:
+    def __init__(self, rank: int, worker_traceback: str,
+                 other_failures: dict[int, str] | None = None) -> None:
         self.rank = rank
         self.worker_traceback = worker_traceback
         self.other_failures = dict(other_failures or {})
@@ -141,8 +142,8 @@ def spawn(fn: Callable[..., T], nproc: int, args: Sequence[Any] = (), *, backend
             except queue.Empty:
                 for rank, p in enumerate(procs):
                     if rank not in finished and rank not in failures and p.exitcode is not None:
-                        failures[rank] = _Failure(time.monotonic(), f"{_how_it_ended(p.exitcode)} without a result",
-                                                  died=True)
+                        how = f"{_how_it_ended(p.exitcode)} without a result"
+                        failures[rank] = _Failure(time.monotonic(), how, died=True)
                 if time.monotonic() >= wait_until:
                     break
                 continue
@@ -158,7 +159,8 @@ def spawn(fn: Callable[..., T], nproc: int, args: Sequence[Any] = (), *, backend
             raise WorkerError(first, failures[first].how, others)
         if len(finished) < nproc:
             running = [r for r in range(nproc) if r not in finished]
-            raise TimeoutError(f"ranks {running} still running after timeout_s={timeout_s:.0f} s; killed them")
+            raise TimeoutError(f"ranks {running} still running after timeout_s={timeout_s:.0f} s; "
+                               "killed them")
         succeeded = True
     finally:
         _stop(procs, grace_s=30.0 if succeeded else 0.0)
