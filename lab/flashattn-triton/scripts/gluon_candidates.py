@@ -9,7 +9,7 @@ the first candidate's results are the reference), and xl's attention at T = 2048
     PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/gluon_candidates.py \
         --pass fwd --problems xl-2048,mha-16-d64-window-1024
 
-The candidates are _planning.candidates(problem), the list the launcher tunes among; each is timed as the
+The candidates are _configs.candidates(problem), the list the launcher tunes among; each is timed as the
 tuner times it (_launcher.gpu_milliseconds: GPU time a call, the best of --rounds), the whole call (the
 backward's: D's preprocess, the kernel, the dQ conversion, the group sums of dK and dV), and its results
 compared with SDPA's. A pool of processes first compiles every candidate on a small problem of the same
@@ -29,10 +29,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_triton import _dispatch, _planning
+from flashattn_triton import _configs, _dispatch
+from flashattn_triton._configs import Problem, describe
 from flashattn_triton._inputs import input_precision
 from flashattn_triton._launcher import gpu_milliseconds
-from flashattn_triton._planning import Problem, describe
 from flashattn_triton.triton_impl import triton_backward, triton_forward
 
 # name: (batch, query heads, K/V heads, T, causal, head dim, a causal window's left size or None, memory)
@@ -72,15 +72,15 @@ def candidates(pass_name: str, tensors: tuple, is_causal: bool, left: int | None
     (q, k, v, grad_out)), as triton_impl plans it."""
     q, k, v, grad_out = tensors
     (batch, heads, seqlen, head_dim), kv_heads = q.shape, k.shape[1]
-    band = _planning.band_of(window_of(left), is_causal)
+    band = _configs.band_of(window_of(left), is_causal)
     taken = (q, k, v) if pass_name == "fwd" else (q, k, v, grad_out, grad_out)
     window = _dispatch.window_of(window_of(left), is_causal)
     hopper = _dispatch.choose(_dispatch.describe(pass_name, q, k, taken, window=window)) == _dispatch.GLUON
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    span, group = _planning.band_span(band, seqlen, seqlen), heads // kv_heads
+    span, group = _configs.band_span(band, seqlen, seqlen), heads // kv_heads
     problem = Problem(pass_name, batch * heads, seqlen, seqlen, head_dim, DTYPE, is_causal,
                       input_precision(DTYPE), sm_count, hopper=hopper, band_span=span, group=group)
-    return _planning.candidates(problem)
+    return _configs.candidates(problem)
 
 
 def problem_candidates(pass_name: str, name: str) -> list:
@@ -92,7 +92,7 @@ def compile_job(job: tuple) -> tuple[tuple, str]:
     """One candidate once on a small problem with the same specializations (the large-problem path, the
     group's size 1 or not, causal or not, the memory layout); a backward after a forward of the default."""
     os.environ["FLASHATTN_TRITON_AUTOTUNE"] = "0"
-    _planning.SMALL_PROBLEM_WORK = 0
+    _configs.SMALL_PROBLEM_WORK = 0
     pass_name, name, config = job
     _, heads, kv_heads, _, is_causal, head_dim, left, layout = PROBLEMS[name]
     window = None if left is None else (64, 0)  # (a window narrower than the small problem: its edge steps)

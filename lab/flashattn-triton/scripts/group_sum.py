@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from flashattn_triton._configs import block_d
 from flashattn_triton._launcher import gpu_milliseconds
-from flashattn_triton._plan import GroupSum
-from flashattn_triton._planning import block_d
+from flashattn_triton.triton_impl import GroupSum
 
 PROBLEMS = [(1, 32, 4, 4096, 128), (2, 32, 8, 4096, 64)]  # (batch, query heads, K/V heads, T, d)
 DTYPE = torch.bfloat16

@@ -2,7 +2,7 @@
 
     PYTHONPATH=packages/flashattn-triton/src python lab/flashattn-triton/scripts/tune.py --out tune.csv
 
-The candidates are _planning.candidates(problem), the function the launcher tunes among at run time.
+The candidates are _configs.candidates(problem), the function the launcher tunes among at run time.
 A pool of worker processes first compiles every candidate for the shapes' specializations (Triton's
 on-disk cache then serves every later process: --precompile-only stops there, which spares a
 benchmark run the sequential compiles of its first tuning). Then each candidate is timed with
@@ -25,11 +25,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_triton import _dispatch, _planning, torch_impl
-from flashattn_triton._configs import BackwardConfig, ForwardConfig
+from flashattn_triton import _configs, _dispatch, torch_impl
+from flashattn_triton._configs import BackwardConfig, ForwardConfig, Problem, describe
 from flashattn_triton._dropout import draw_rng
 from flashattn_triton._inputs import input_precision, padded_head_dim
-from flashattn_triton._planning import Problem, describe
 from flashattn_triton.triton_impl import triton_backward, triton_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -58,7 +57,7 @@ def gluon_takes(which: str, q: torch.Tensor, dropout_p: float) -> bool:
 
 def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: torch.dtype,
                extra: dict[str, list], dropout_p: float) -> list:  # fmt: skip
-    """The candidates the launcher tunes among for this problem (_planning.candidates, the same function),
+    """The candidates the launcher tunes among for this problem (_configs.candidates, the same function),
     then the --extra ones not among them."""
     size = torch.empty((), dtype=dtype).element_size()
     padded = padded_head_dim(head_dim, size)
@@ -67,7 +66,7 @@ def candidates(which: str, batch_heads: int, seq: int, head_dim: int, dtype: tor
     problem = Problem(which, batch_heads, seq, seq, padded, dtype, CAUSAL, input_precision(dtype), sm_count,
                       hopper=gluon_takes(which, q, dropout_p),
                       dropout=dropout_p > 0.0)  # fmt: skip
-    listed = _planning.candidates(problem)
+    listed = _configs.candidates(problem)
     return listed + [c for c in extra[which] if c not in listed]
 
 
@@ -100,7 +99,7 @@ def compile_job(job: tuple) -> tuple[tuple, str]:
     os.environ["FLASHATTN_TRITON_AUTOTUNE"] = "0"
     which, config, heads, head_dim, dtype_name, large, dropout_p = job
     if large:
-        _planning.SMALL_PROBLEM_WORK = 0
+        _configs.SMALL_PROBLEM_WORK = 0
     try:
         runner(which, config, heads, 256, head_dim, DTYPES[dtype_name], dropout_p)()
         torch.cuda.synchronize()
@@ -175,7 +174,7 @@ def main() -> None:
     shapes += [(*map(int, s.split("x")), "float32") for s in args.fp32_shapes.split(",") if s]
 
     def compile_key(which: str, config, bh: int, seq: int, d: int, dtype: str) -> tuple:
-        large = not _planning.is_small_problem(bh, seq, seq, d)
+        large = not _configs.is_small_problem(bh, seq, seq, d)
         return which, config, 1 if bh == 1 else 16, d, dtype, large, args.dropout
 
     def runs(key: tuple) -> bool:  # the Gluon kernels take large problems only, split key tiles small ones

@@ -15,9 +15,9 @@ import torch
 
 from flashattn_triton import (
     FlashAttentionTriton,
+    _configs,
     _inputs,
     _launcher,
-    _planning,
     feature_impl,
     flash_attention,
     ops,
@@ -190,7 +190,7 @@ def test_backward_computes_d_in_its_kernel_for_small_problems(problem, monkeypat
     and from the preprocess above the threshold; float32 at full accuracy (TF32 parts) always takes the
     preprocess, float32 with TF32 allowed the kernel."""
     if not small:
-        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # plain TF32 products: float32 takes the in-kernel D too
     try:
@@ -232,11 +232,11 @@ GROUP_SUM_CASES = {  # name: (batch, Hq, Hkv, T, d, block_d, tile_rows, dtype, l
 
 @pytest.mark.parametrize("case", GROUP_SUM_CASES)
 def test_group_sum_equals_torch_sum_over_each_group(case):
-    """_kernels.group_sum (through _plan.GroupSum): dK and dV of each query head summed over each group as
+    """_kernels.group_sum (triton_impl.GroupSum): dK and dV of each query head summed over each group as
     torch.sum sums them, into sums laid out as a model's K and V: contiguous, (B, T, H, d) memory (K's only,
     or both), or views of a fused projection (B, T, Hq + 2 Hkv, d) whose other heads must stay untouched.
     T not a multiple of the tile rows, d below the block."""
-    from flashattn_triton._plan import GroupSum
+    from flashattn_triton.triton_impl import GroupSum
 
     batch, q_heads, kv_heads, seqlen, head_dim, block_d, tile_rows, dtype, layout = GROUP_SUM_CASES[case]
     generator = torch.Generator().manual_seed(0)

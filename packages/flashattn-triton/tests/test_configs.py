@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flashattn_triton import _configs, _dispatch, _hopper, _planning, triton_impl
+from flashattn_triton import _configs, _dispatch, _hopper, triton_impl
 from flashattn_triton._configs import HOPPER_BACKWARD, HOPPER_FORWARD, BackwardConfig, ForwardConfig, smaller
 
 
@@ -60,17 +60,17 @@ def test_hopper_configs_step_down_to_the_triton_kernels():
 
 
 def test_described_configs_name_the_hopper_kernel():
-    assert _planning.describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
-    assert _planning.describe(HOPPER_BACKWARD[64][0]) == "64/128/8/4/1/168 hopper"
-    assert _planning.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
-    assert _planning.describe(HOPPER_BACKWARD[64][1]) == "64/128/8/4/1/168 hopper persistent"
-    assert _planning.describe(HOPPER_BACKWARD[64][3]) == "64/128/4/4/1/168 hopper persistent consumers=2"
+    assert _configs.describe(BackwardConfig(64, 64, 4, 3, atomic_dq=True)) == "64/64/4/3/1"
+    assert _configs.describe(HOPPER_BACKWARD[64][0]) == "64/128/8/4/1/168 hopper"
+    assert _configs.describe(HOPPER_BACKWARD[128][0]) == "32/128/8/4/1/168 hopper"
+    assert _configs.describe(HOPPER_BACKWARD[64][1]) == "64/128/8/4/1/168 hopper persistent"
+    assert _configs.describe(HOPPER_BACKWARD[64][3]) == "64/128/4/4/1/168 hopper persistent consumers=2"
     per_kv_head = _configs.HOPPER_BACKWARD_PER_KV_HEAD[128][0]
-    assert _planning.describe(per_kv_head) == "64/128/8/2/1/168 hopper per_kv_head"
-    assert _planning.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
-    assert _planning.describe(HOPPER_FORWARD[1]) == "128/128/4/2/168 hopper persistent"
+    assert _configs.describe(per_kv_head) == "64/128/8/2/1/168 hopper per_kv_head"
+    assert _configs.describe(HOPPER_FORWARD[0]) == "128/128/4/2/168 hopper"
+    assert _configs.describe(HOPPER_FORWARD[1]) == "128/128/4/2/168 hopper persistent"
     config = BackwardConfig(16, 64, 4, 3, transposed_grads=True, split=True)
-    assert _planning.describe(config) == "16/64/4/3/0 transposed_grads split"
+    assert _configs.describe(config) == "16/64/4/3/0 transposed_grads split"
 
 
 def test_kv_splits_must_be_a_small_count_and_not_on_the_hopper_kernel():
@@ -79,7 +79,7 @@ def test_kv_splits_must_be_a_small_count_and_not_on_the_hopper_kernel():
             ForwardConfig(64, 64, 4, 2, kv_splits=bad)
     with pytest.raises(ValueError, match="kv_splits=1"):
         ForwardConfig(128, 128, 4, 2, hopper=True, kv_splits=2)
-    assert _planning.describe(ForwardConfig(64, 128, 4, 3, kv_splits=4)) == "64/128/4/3 kv_splits=4"
+    assert _configs.describe(ForwardConfig(64, 128, 4, 3, kv_splits=4)) == "64/128/4/3 kv_splits=4"
 
 
 def test_key_tiles_are_split_where_query_tiles_leave_the_gpu_short_of_work():
@@ -135,8 +135,8 @@ def test_hopper_kernel_refused_where_it_does_not_apply():
 def test_head_dims_below_64_count_as_64_toward_the_small_problem_size(monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setattr(triton_impl, "_plans", {})
-    assert _planning.problem_work(1, 32768, 32768, 32) == _planning.SMALL_PROBLEM_WORK
-    assert _planning.problem_work(2, 16384, 32768, 128) == 2 * _planning.SMALL_PROBLEM_WORK
+    assert _configs.problem_work(1, 32768, 32768, 32) == _configs.SMALL_PROBLEM_WORK
+    assert _configs.problem_work(2, 16384, 32768, 128) == 2 * _configs.SMALL_PROBLEM_WORK
     small = {}
     for seqlen in (16384, 32768):
         q = torch.zeros(1, 1, seqlen, 32, dtype=torch.bfloat16)
@@ -167,7 +167,7 @@ def test_split_backward_dq_launch_takes_its_own_steps():
         config, dq_block_m=None, dq_stages=None
     )
     assert smaller(config) == BackwardConfig(32, 64, 4, 2, transposed_grads=True, split=True)
-    assert _planning.describe(config) == "32/64/4/2/0 transposed_grads split dq_block_m=16 dq_stages=3"
+    assert _configs.describe(config) == "32/64/4/2/0 transposed_grads split dq_block_m=16 dq_stages=3"
     with pytest.raises(ValueError, match="split=True"):
         BackwardConfig(32, 64, 4, 2, transposed_grads=True, dq_block_m=16)
     with pytest.raises(ValueError, match="dq_block_m=24"):

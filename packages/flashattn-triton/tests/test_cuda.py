@@ -16,8 +16,6 @@ from flashattn_triton import (
     _hopper,
     _inputs,
     _launcher,
-    _plan,
-    _planning,
     flash_attention,
     ops,
     triton_impl,
@@ -75,7 +73,7 @@ def test_triton_matches_float64_reference(problem, case, path, monkeypatch):
     if path == "small-kernel-built":
         monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     if path == "large":
-        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     dtype, head_dim, is_causal, lead, seqlen_q, seqlen_k, layout = case
     p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, device="cuda", layout=layout)
     q, k, v = p.inputs()
@@ -161,7 +159,7 @@ def test_compile_failure_falls_back_to_eager_once(monkeypatch, problem):
 
 def test_config_too_big_for_shared_memory_steps_down(problem, monkeypatch):
     steps = []
-    monkeypatch.setattr(_plan, "smaller", lambda c: steps.append(c) or _configs.smaller(c))
+    monkeypatch.setattr(triton_impl, "smaller", lambda c: steps.append(c) or _configs.smaller(c))
     p = problem((1, 2), 512, 512, 128, torch.bfloat16, True, device="cuda")
     huge = ForwardConfig(256, 256, 8, 4)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, 128**-0.5, config=huge)
@@ -284,7 +282,7 @@ def test_float32_transposed_backward(problem, monkeypatch, config, head_dim, hos
     32-row steps that are no candidates (the 16-row ones at d = 128 are, and test_every_candidate runs
     them)."""
     if host:
-        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     p = problem((2, 3), 333, 290, head_dim, torch.float32, True, device="cuda")
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, True, head_dim**-0.5)
     grads = triton_impl.triton_backward(p.q, p.k, p.v, out, lse, p.grad_out, True, head_dim**-0.5, config)
@@ -310,7 +308,7 @@ needs_hopper_gluon = pytest.mark.skipif(
 def test_hopper_backward(problem, monkeypatch, hopper_configs, dtype, lead, seqlen, head_dim, is_causal):
     """The Gluon kernel (named explicitly: problems this small would otherwise take the small path), each
     candidate of its head dim, the persistent ones also in few programs of several work items each."""
-    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     out, lse = triton_impl.triton_forward(p.q, p.k, p.v, is_causal, 0.1)
     for config in hopper_configs("bwd", head_dim):
@@ -329,7 +327,7 @@ def test_hopper_backward(problem, monkeypatch, hopper_configs, dtype, lead, seql
 def test_hopper_forward(problem, monkeypatch, hopper_configs, dtype, lead, seqlen, head_dim, is_causal):
     """Each candidate of the Gluon forward (named explicitly, as test_hopper_backward's), the persistent
     ones also in few programs of several work items each."""
-    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     p = problem(lead, seqlen, seqlen, head_dim, dtype, is_causal, device="cuda", scale=0.1)
     for config in hopper_configs("fwd", head_dim):
         poison_allocator()
@@ -343,7 +341,7 @@ def test_tuner_offers_the_hopper_kernels_only_where_they_apply(problem, monkeypa
     128; backward 16, 32, 64, 128), inputs in (B, H, T, d) or (B, T, H, d) memory, grouped-query attention or
     not, causal windows, rows of a wider tensor; never for others (ragged lengths, head dims padded for
     the kernels, windows that see ahead)."""
-    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     offered = {}
     problems = [("d=64", 256, "contiguous", 64, None), ("d=128", 256, "contiguous", 128, None),
                 ("d=32", 256, "contiguous", 32, None), ("ragged", 250, "contiguous", 64, None),
@@ -599,7 +597,7 @@ def test_float32_infinities_spoil_only_the_rows_that_see_them(check_infinities, 
 @pytest.mark.parametrize("path", ["small", "large"])
 def test_gradients_through_lse_and_out(check_gradients_through_lse, monkeypatch, path, dtype):
     if path == "large":
-        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     check_gradients_through_lse("cuda", 300, dtype)
 
 

@@ -17,7 +17,6 @@ from flashattn_triton import (
     _dispatch,
     _hopper,
     _inputs,
-    _planning,
     feature_impl,
     flash_attention,
     flash_attention_varlen,
@@ -345,7 +344,7 @@ def test_gqa_without_mask_or_band_on_the_tuned_kernels_matches_sdpa(monkeypatch,
     if path == "small-kernel-built":
         monkeypatch.setattr(_inputs, "host_descriptors", lambda device: False)
     if path == "large":
-        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     shape, is_causal, layout = GQA_TUNED[case]
     q, k, v, grad_out = qkv(*shape, dtype)
     grad_lse = lse_gradient(q)
@@ -492,7 +491,7 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ho
     and causal sliding windows: float64's values; every forward and backward candidate, the persistent ones
     also in few programs of several work items each. The outputs' memory starts as NaN, so a tile a
     kernel fails to write shows."""
-    monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+    monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     monkeypatch.setattr(triton_impl, "_plans", {})
     (batch, q_heads, kv_heads, seqlen, head_dim), layout, is_causal, window = GLUON_CASES[case]
     q, k, v, grad_out = qkv(batch, q_heads, kv_heads, seqlen, seqlen, head_dim, dtype)
@@ -537,7 +536,7 @@ def test_dropout_in_the_tuned_kernels_matches_float64(case, dtype, monkeypatch):
     same probabilities dropped, the backward's mask the forward's."""
     shape, is_causal, large, window = TUNED_DROPOUT_CASES[case]
     if large:
-        monkeypatch.setattr(_planning, "SMALL_PROBLEM_WORK", 0)
+        monkeypatch.setattr(_configs, "SMALL_PROBLEM_WORK", 0)
     monkeypatch.setattr(triton_impl, "_plans", {})
     monkeypatch.setenv("FLASHATTN_TRITON_AUTOTUNE", "0")  # the default configs (every one: the next test)
     no_feature_kernels(monkeypatch)

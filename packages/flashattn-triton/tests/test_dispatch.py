@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flashattn_triton
-from flashattn_triton import _dispatch, _masks, _planning, ops
+from flashattn_triton import _configs, _dispatch, _masks, ops
 from flashattn_triton._dispatch import FEATURES, GLUON, TUNED
 
 SM90 = (9, 0)
@@ -44,7 +44,7 @@ MODELS = {"transformers": (transformers_qkv, True), "timm": (timm_qkv, False),
 def nothing_small(monkeypatch):
     """Problems this small take the tuned kernels' small-problem path on a GPU; here, where they stand for
     a model's, no problem counts as small (and no route is remembered from another test)."""
-    monkeypatch.setattr(_planning, "SMALL_PROBLEM_TILES", 0)
+    monkeypatch.setattr(_configs, "SMALL_PROBLEM_TILES", 0)
     monkeypatch.setattr(ops, "_routes", {})
 
 

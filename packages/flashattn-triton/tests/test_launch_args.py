@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashattn_triton import _launcher
-from flashattn_triton._tiles import Tiles
+from flashattn_triton._launcher import Tiles
 
 pytest.importorskip("triton.backends.nvidia.driver")
 

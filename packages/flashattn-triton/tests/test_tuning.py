@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashattn_triton import _dispatch, _planning, _tuning
-from flashattn_triton._configs import ForwardConfig
-from flashattn_triton._planning import Problem, candidates
+from flashattn_triton import _configs, _dispatch, _tuning
+from flashattn_triton._configs import ForwardConfig, Problem, candidates
 
 pytest.importorskip("triton")
 
@@ -226,7 +225,7 @@ def test_small_problems_are_offered_split_key_tiles_by_size_class():
     assert one_head.small and any(c.kv_splits > 1 for c in candidates(one_head))
     many_heads = Problem("fwd", 64, 4000, 4000, 64, torch.bfloat16, True, "tf32", 132)
     assert not any(c.kv_splits > 1 for c in candidates(many_heads))
-    assert _planning.size_class(4000) == 4096 and _planning.size_class(4096) == 4096
+    assert _configs.size_class(4000) == 4096 and _configs.size_class(4096) == 4096
 
 
 def test_bands_tune_apart_and_get_split_key_tiles_only_where_their_span_is_long():

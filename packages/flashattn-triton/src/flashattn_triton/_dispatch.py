@@ -55,7 +55,7 @@ class Description:
     mask: "none" or "tensor" (a mask that only encodes causality or a band is described as that band:
     _masks). window: (left, right), -1 unbounded, right = 0 for is_causal; diagonal_offset: 0 top-left,
     Tk - Tq bottom-right. group: query heads per K/V head. small: below the size where the Gluon kernels pay
-    (_planning.is_small_problem)."""
+    (_configs.is_small_problem)."""
 
     pass_name: str
     capability: tuple[int, int] | None
@@ -158,7 +158,7 @@ class Explanation(NamedTuple):
     not_taken: dict[str, str]
 
     def __str__(self) -> str:
-        from flashattn_triton._planning import describe as describe_config
+        from flashattn_triton._configs import describe as describe_config
 
         config = "" if self.config is None else f" config {describe_config(self.config)}"
         lines = [f"{self.pass_name}: {self.backend}{config}"]
@@ -217,8 +217,8 @@ def describe(pass_name: str, q: torch.Tensor, k: torch.Tensor, tensors: tuple[to
     varlen = (batch, max_seqlen_q, max_seqlen_k)), tensors being every tensor the pass reads in the kernels'
     layout (q, k, v, and out, dO in the backward). capability: the device's unless given (a described
     machine: then Triton and Gluon count as there)."""
+    from flashattn_triton._configs import is_small_problem
     from flashattn_triton._inputs import input_precision, padded_head_dim
-    from flashattn_triton._planning import is_small_problem
 
     if capability is False:
         capability, triton, gluon = machine(q.device)

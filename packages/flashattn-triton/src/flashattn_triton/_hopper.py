@@ -48,8 +48,7 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
-from flashattn_triton._launcher import Launcher, env_flag
-from flashattn_triton._tiles import Tiles
+from flashattn_triton._launcher import Launcher, Tiles, env_flag
 
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 CONSUMER_REGISTERS = 240  # a 4-warp consumer partition's (the forward's two, the backward's where it has two)

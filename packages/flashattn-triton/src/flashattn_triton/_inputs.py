@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashattn_triton import _launcher
-from flashattn_triton._planning import block_d
+from flashattn_triton._configs import block_d
 
 MAX_HEAD_DIM = 256
 

@@ -28,13 +28,23 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton._tiles import Tiles
-
 DIRECT_LAUNCH_TRITON = (3, 6)  # the Triton whose C launcher the direct launch calls (tested with 3.6.0)
+
+
+class Tiles(NamedTuple):
+    """A descriptor moving `block` tiles of `tensor`, which build(tensor, block) makes: on a launch through
+    Triton's JIT, or, launched directly, once per address (_launcher.LaunchArgs)."""
+
+    tensor: torch.Tensor
+    block: tuple[int, ...]
+    build: Callable[[torch.Tensor, tuple[int, ...]], Any]
+
+    def descriptor(self) -> Any:
+        return self.build(self.tensor, self.block)
 
 
 @functools.cache

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from flashattn_triton._configs import Problem, describe
 from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources
-from flashattn_triton._planning import Problem, describe
 
 # The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
 # old files (2: choices by GPU time, _launcher.gpu_milliseconds).

@@ -71,6 +71,22 @@ def _check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
+class AttentionFunction(torch.autograd.Function):
+    """Base of the two attention Functions: ``apply(q, k, v, is_causal=False, scale=None)`` with its
+    defaults and types (torch's own apply takes positional arguments only)."""
+
+    @classmethod
+    def apply(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,  # type: ignore[override]
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        return super().apply(q, k, v, is_causal, scale)
+
+
 def check_inputs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
     enable_gqa: bool = False,

@@ -155,7 +155,7 @@ def explain(
 
 def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: dict[str, Any], dropout: bool,
                   capability: tuple[int, int] | bool) -> Explanation:  # fmt: skip
-    from flashattn_triton import _planning, _tuning, triton_impl
+    from flashattn_triton import _configs, _tuning, triton_impl
 
     q, k = tensors[:2]
     window = (options["window_left"], options["window_right"])
@@ -170,7 +170,7 @@ def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: di
     band = None if (window[0] == -1 and window[1] in (0, -1)) else window
     _, problem = triton_impl.describe_problem(pass_name, q, tensors, is_causal, band, 0.5 * dropout,
                                               deterministic, None, capability)  # fmt: skip
-    candidates = _planning.candidates(problem)
+    candidates = _configs.candidates(problem)
     config = _tuning.TUNING.known(candidates, problem, q.device, None if capability is False else capability)
     config = config or _tuning.default_config(candidates, problem)
     backend = _dispatch.GLUON if config.hopper else _dispatch.TUNED

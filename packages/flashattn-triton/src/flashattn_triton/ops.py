@@ -6,9 +6,9 @@ and ``register_autograd`` ties the two together. On CUDA (and on CPU under ``TRI
 run the Triton kernels, elsewhere the PyTorch path (torch_impl).
 
 They are opaque custom ops rather than ``torch.library.triton_op``s: the kernels are launched through a
-plan chosen and tuned at run time (``_plan.Plan.run``), the Hopper kernels are Gluon, and the launcher calls
-Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)`` call
-that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
+plan chosen and tuned at run time (``triton_impl.Plan.run``), the Hopper kernels are Gluon, and the launcher
+calls Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)``
+call that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
 
 The contract (issue 20's features are argued here, so that their implementations change no schema)
 -----------------------------------------------------------------------------------------------------
@@ -77,7 +77,6 @@ from flashattn_triton import (
     _inputs,
     _launcher,
     _masks,
-    _packed,
     _validation,
     feature_impl,
     torch_impl,
@@ -164,11 +163,11 @@ def _window(options: dict[str, Any]) -> tuple[int, int] | None:
     return (left, right) if left != UNBOUNDED or right > 0 else None
 
 
-def _packed_sequences(options: dict[str, Any]) -> _packed.Packed | None:
+def _packed_sequences(options: dict[str, Any]) -> triton_impl.Packed | None:
     """The tuned kernels' packed sequences of a "varlen" problem (None for a "tuned" one)."""
     if options["cu_seqlens_q"] is None:
         return None
-    return _packed.Packed(options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
+    return triton_impl.Packed(options["cu_seqlens_q"], options["cu_seqlens_k"], options["max_seqlen_q"],
                               options["max_seqlen_k"])  # fmt: skip
 
 

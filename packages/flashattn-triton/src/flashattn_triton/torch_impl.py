@@ -29,6 +29,7 @@ for any reason the step falls back to eager once, with a warning, and stays eage
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +37,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from flashattn_triton._autograd import AttentionFunction
 from flashattn_triton._dropout import Dropout, check_rng
-from flashattn_triton._validation import UNBOUNDED, Band, check_inputs
+from flashattn_triton._validation import UNBOUNDED, AttentionFunction, Band, check_inputs
 
 TILE_K = 64
 
@@ -470,3 +470,26 @@ class FlashAttentionTorch(AttentionFunction):
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale)
         return grad_q, grad_k, grad_v, None, None
+
+
+def _reference_scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float | None) -> torch.Tensor:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:  # top-left aligned: query i sees keys j <= i
+        future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(scale * q k^T) v in q's dtype, the T x T scores in memory: for checks and baselines only."""
+    return torch.softmax(_reference_scores(q, k, is_causal, scale), dim=-1) @ v
+
+
+def reference_logsumexp(
+    q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, scale: float | None = None
+) -> torch.Tensor:
+    """logsumexp of the scaled (masked) scores over the keys: the L that the forward saves."""
+    return torch.logsumexp(_reference_scores(q, k, is_causal, scale), dim=-1)
