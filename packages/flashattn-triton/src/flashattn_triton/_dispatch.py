@@ -22,11 +22,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from flashattn_triton import _hopper, _launcher
+from flashattn_triton._configs import describe as describe_config
+from flashattn_triton._configs import is_small_problem
+from flashattn_triton._inputs import input_precision, padded_head_dim
 from flashattn_triton._launcher import env_flag
 
 UNBOUNDED = -1
@@ -158,8 +163,6 @@ class Explanation(NamedTuple):
     not_taken: dict[str, str]
 
     def __str__(self) -> str:
-        from flashattn_triton._configs import describe as describe_config
-
         config = "" if self.config is None else f" config {describe_config(self.config)}"
         lines = [f"{self.pass_name}: {self.backend}{config}"]
         lines += [f"  not {b}: {why}" for b, why in self.not_taken.items()]
@@ -174,16 +177,26 @@ def explain_description(d: Description, config: Any = None) -> Explanation:
 
 def layout_class(t: torch.Tensor) -> str:
     """t's layout class (the constants above), t a (B, H, T, d) tensor or packed (total, H, d)."""
-    from flashattn_triton._hopper import head_layout
-
     if t.dim() == 3:
         t = t.unsqueeze(0)
     if t.dim() != 4:
         t = t.reshape(t.shape[:-3].numel(), *t.shape[-3:])
-    layout = head_layout(t)
+    layout = _hopper.head_layout(t)
     if layout is None:
         return STRIDED if t.stride(-1) == 1 else OTHER
     return HEADS_IN_ROWS if layout[2] else HEADS_OUTSIDE_ROWS
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether the ops run the Triton kernels for tensors on `device`: on CUDA where Triton is installed,
+    on CPU under TRITON_INTERPRET=1."""
+    if device.type == "cuda":
+        if _launcher.triton_available():
+            return True
+        warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return device.type == "cpu" and _launcher.interpret_requested() and _launcher.triton_available()
 
 
 @functools.cache
@@ -193,9 +206,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def machine(device: torch.device) -> tuple[tuple[int, int] | None, bool, bool]:
     """(capability, triton, gluon) of device, as Description holds them."""
-    from flashattn_triton import _hopper, ops
-
-    triton = ops.uses_triton(device)
+    triton = uses_triton(device)
     if device.type != "cuda":
         return None, triton, False
     return _capability(device), triton, triton and _hopper.available()
@@ -217,9 +228,6 @@ def describe(pass_name: str, q: torch.Tensor, k: torch.Tensor, tensors: tuple[to
     varlen = (batch, max_seqlen_q, max_seqlen_k)), tensors being every tensor the pass reads in the kernels'
     layout (q, k, v, and out, dO in the backward). capability: the device's unless given (a described
     machine: then Triton and Gluon count as there)."""
-    from flashattn_triton._configs import is_small_problem
-    from flashattn_triton._inputs import input_precision, padded_head_dim
-
     if capability is False:
         capability, triton, gluon = machine(q.device)
     else:

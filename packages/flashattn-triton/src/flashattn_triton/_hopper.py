@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import BackwardConfig, ForwardConfig
-from flashattn_triton._launcher import Launcher, Tiles, env_flag
+from flashattn_triton._launcher import Launcher, Tiles, env_flag, gluon_kernels
 
 LOADER_REGISTERS = 24  # the backward's loader only issues TMA copies; setmaxnreg gives the rest away
 CONSUMER_REGISTERS = 240  # a 4-warp consumer partition's (the forward's two, the backward's where it has two)
@@ -59,15 +59,6 @@ ITEM_STEPS = {"fwd": 3.5, "bwd": 1.9}
 # With fewer than two programs a head, heads start HEADS_A_CHUNK at a time, CHUNK_SHIFT tiles apart.
 HEADS_A_CHUNK, CHUNK_SHIFT = 4, 2
 _schedules: dict[tuple, torch.Tensor] = {}  # _schedule_args's, by problem and device
-
-
-@functools.cache
-def _gluon() -> Any:
-    """The kernels module, imported when a Gluon kernel first runs (a Gluon whose API differs from Triton
-    3.6's fails here, and the tuner skips the Gluon candidates)."""
-    from flashattn_triton import _hopper_kernels
-
-    return _hopper_kernels
 
 
 @functools.cache
@@ -114,7 +105,7 @@ def head_layout(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 
 def kernel(pass_name: str) -> Any:
-    kernels = _gluon()
+    kernels = gluon_kernels()
     return kernels.attn_fwd if pass_name == "fwd" else kernels.attn_bwd
 
 
@@ -127,7 +118,7 @@ def matrix(t: torch.Tensor, n: int, parts: int = 1) -> tuple[Tiles, tuple[int, i
     rows = (t.shape[0] - 1) * layout[0] + (t.shape[1] - 1) * layout[1] + t.shape[2]
     columns = (t.shape[1] - 1) * layout[2] + head_dim
     view = t.as_strided((rows, columns), (stride_t, 1))
-    return Tiles(view, (n, head_dim // parts), _gluon().tiles), layout
+    return Tiles(view, (n, head_dim // parts), gluon_kernels().tiles), layout
 
 
 def tile_steps(pass_name: str, seqlen: int, block_m: int, block_n: int, causal: bool,
@@ -248,7 +239,7 @@ def forward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                    "o": matrix(out, rows)}  # fmt: skip
     head_args, band = _head_args(q, k), _band_args(is_causal, mask_args)
     schedule = _schedule_args("fwd", q, block_m, block_n, band, head_args["ZH"], 1, sm_count)
-    return dict(**_descriptor_args(descriptors), **head_args, L=lse, qk_scale=scale * _gluon().LOG2E,
+    return dict(**_descriptor_args(descriptors), **head_args, L=lse, qk_scale=scale * gluon_kernels().LOG2E,
                 STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS, **schedule, **band)  # fmt: skip
 
 
@@ -264,7 +255,7 @@ def backward_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     last steps. per_kv_head: a work item is a K/V head's key tile, through its group of query heads
     (work_items). consumers: the kernel's consumer partitions (BackwardConfig's), each of which stores its
     block_n / consumers keys' dK and dV and adds its d / consumers columns of dQ."""
-    kernels = _gluon()
+    kernels = gluon_kernels()
     keys = block_n // consumers
     descriptors = {"q": matrix(q, block_m), "k": matrix(k, keys), "v": matrix(v, keys),
                    "do": matrix(grad_out, block_m), "dk": matrix(dk, keys), "dv": matrix(dv, keys)}

@@ -74,9 +74,7 @@ PORTABLE_ROOT = "$TRITON_CACHE/"
 def shipped_archive(capability: tuple[int, int]) -> Path:
     """The archive of compiled kernels shipped for this Triton on GPUs of capability (made by
     lab/flashattn-triton/scripts/ship_kernels.py)."""
-    import triton
-
-    return SHIPPED_KERNELS / f"triton-{triton.__version__}-sm{capability[0]}{capability[1]}.tar.gz"
+    return SHIPPED_KERNELS / f"triton-{triton_version()}-sm{capability[0]}{capability[1]}.tar.gz"
 
 
 def triton_cache_dir() -> Path:
@@ -154,6 +152,29 @@ def interpreted() -> bool:
     """Whether the kernels were built for the interpreter (decided when they were first imported); without
     Triton, built for neither: False (planning still runs, _inputs.check_device refuses the call)."""
     return triton_available() and type(kernels().attn_fwd).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def feature_kernels() -> ModuleType:
+    """The feature kernels (feature_impl's), imported on first use."""
+    from flashattn_triton import _feature_kernels
+
+    return _feature_kernels
+
+
+@functools.cache
+def gluon_kernels() -> ModuleType:
+    """The Gluon kernels for Hopper (_hopper's), imported when one first runs: a Gluon whose API differs
+    from Triton 3.6's fails here, and the tuner skips the Gluon candidates."""
+    from flashattn_triton import _hopper_kernels
+
+    return _hopper_kernels
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 @functools.cache
@@ -310,11 +331,9 @@ class LaunchPair:
 def _direct_launch_supported() -> bool:
     """Whether this Triton's C launcher is the one the direct launch was written and tested against; warns
     once where it is not."""
-    import triton
-
-    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    version = tuple(int(x) for x in triton_version().split(".")[:2])
     if version != DIRECT_LAUNCH_TRITON:
-        warnings.warn(f"flashattn_triton: Triton {triton.__version__} is not the version its direct kernel "
+        warnings.warn(f"flashattn_triton: Triton {triton_version()} is not the version its direct kernel "
                       f"launches were tested with ({'.'.join(map(str, DIRECT_LAUNCH_TRITON))}); every launch "
                       "goes through Triton's JIT (correct, with more host time a call)",
                       RuntimeWarning, stacklevel=4)  # fmt: skip

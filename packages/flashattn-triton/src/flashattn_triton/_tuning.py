@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import Problem, describe
-from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources
+from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources, triton_version
+from flashattn_triton._version import __version__
 
 # The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
 # old files (2: choices by GPU time, _launcher.gpu_milliseconds).
@@ -92,12 +93,8 @@ class TuningCache:
         self.stored: dict[Path, dict[str, Any]] = {}  # each file's entries, read on first use
 
     def file(self, device: torch.device) -> Path:
-        import triton
-
-        from flashattn_triton import __version__
-
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        versions = f"torch-{torch.__version__}-triton-{triton.__version__}-flashattn_triton-{__version__}"
+        versions = f"torch-{torch.__version__}-triton-{triton_version()}-flashattn_triton-{__version__}"
         return cache_dir() / f"{_slug(gpu)}-{_slug(versions)}.json"
 
     def choose(self, run: Callable[[Any], None], candidates: list, problem: Problem,

@@ -10,23 +10,15 @@ are plain JIT calls, safe under CUDA graph capture after a first call).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
 
 from flashattn_triton._dropout import Dropout, check_rng, kept_scale, threshold
 from flashattn_triton._inputs import output_like
+from flashattn_triton._launcher import feature_kernels, out_of_resources
 from flashattn_triton._validation import UNBOUNDED
-
-
-@functools.cache
-def _kernels() -> ModuleType:
-    from flashattn_triton import _feature_kernels
-
-    return _feature_kernels
 
 
 class Blocks(NamedTuple):
@@ -69,8 +61,6 @@ def _launch(
     kernel: Any, grid: Callable[[Blocks], tuple[int, int]], blocks: Blocks, *args: Any, **constants: Any
 ) -> None:
     """kernel[grid(blocks)](*args) with blocks' tiles, stepping down to SMALLEST if they do not fit."""
-    from triton.runtime.errors import OutOfResources
-
     for attempt in (blocks, SMALLEST):
         try:
             kernel[grid(attempt)](
@@ -82,7 +72,7 @@ def _launch(
                 **constants,
             )
             return
-        except OutOfResources:
+        except out_of_resources():
             if attempt == SMALLEST:
                 raise
 
@@ -227,7 +217,7 @@ def feature_forward(
     blocks = _blocks(c["BLOCK_D"], q.dtype, q.device).forward
     with _device_guard(q):
         _launch(
-            _kernels().attn_fwd,
+            feature_kernels().attn_fwd,
             lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
             blocks,
             q,
@@ -248,7 +238,7 @@ def feature_forward(
             p.heads,
             p.heads // p.kv_heads,
             *seqlens,
-            scale * _kernels().LOG2E,
+            scale * feature_kernels().LOG2E,
             *band,
             *dropout,
             **c,
@@ -294,7 +284,7 @@ def feature_backward(
     delta = delta.contiguous()
     (seqlens, scale, band, dropout), c = p.shared, p.constants
     launches = _blocks(c["BLOCK_D"], q.dtype, q.device)
-    kernels = _kernels()
+    kernels = feature_kernels()
     common = (
         *_strides(q, p.varlen),
         *_strides(k, p.varlen),

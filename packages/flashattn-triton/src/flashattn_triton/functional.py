@@ -6,10 +6,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashattn_triton import _dispatch, _inputs, ops
-from flashattn_triton._dispatch import Explanation
+from flashattn_triton import _configs, _dispatch, _inputs, _tuning, ops, triton_impl
+from flashattn_triton._dispatch import Explanation, uses_triton
 from flashattn_triton._validation import check_dropout, op_arguments, varlen_op_arguments
-from flashattn_triton.ops import uses_triton
 
 __all__ = ["Explained", "explain", "flash_attention", "flash_attention_varlen", "uses_triton"]
 
@@ -155,8 +154,6 @@ def explain(
 
 def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: dict[str, Any], dropout: bool,
                   capability: tuple[int, int] | bool) -> Explanation:  # fmt: skip
-    from flashattn_triton import _configs, _tuning, triton_impl
-
     q, k = tensors[:2]
     window = (options["window_left"], options["window_right"])
     deterministic = pass_name == "bwd" and torch.are_deterministic_algorithms_enabled()
@@ -196,8 +193,6 @@ def tune(
     """Tune the configs of flash_attention(query, key, value, ...)'s problem class on this machine now,
     forward and backward (every candidate timed on the GPU, a few seconds each), and keep the choices on
     disk for later processes (_tuning); returns explain()'s answer after. Calls never tune on their own."""
-    from flashattn_triton import _tuning, triton_impl
-
     leaves = [t.detach().clone().requires_grad_() for t in (query, key, value)]
     _tuning._requested = True
     try:

@@ -65,7 +65,6 @@ again; forward-mode AD raises NotImplementedError, as SDPA's flash backend does.
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -99,18 +98,6 @@ def _operator(name: str, implementation: Callable, fake: Callable) -> torch._ops
     torch.library.register_fake(f"flashattn_triton::{name}", fake, lib=_LIBRARY)
     _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
     return getattr(torch.ops.flashattn_triton, name).default
-
-
-def uses_triton(device: torch.device) -> bool:
-    """Whether the ops run the Triton kernels for tensors on `device`: on CUDA where Triton is installed,
-    on CPU under TRITON_INTERPRET=1."""
-    if device.type == "cuda":
-        if _launcher.triton_available():
-            return True
-        warnings.warn("triton is not installed: flash_attention runs its PyTorch path on CUDA",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
-        return False
-    return device.type == "cpu" and _inputs.interpret_requested() and _launcher.triton_available()
 
 
 _routes: dict[tuple, tuple[_dispatch.Description, str]] = {}  # by layout and options
