@@ -222,17 +222,30 @@ def _set_allocator() -> None:
     triton.set_allocator(scratch)
 
 
+def intercepted() -> bool:
+    """Whether a dispatch mode (FakeTensorMode, FlopCounterMode, ...) or a functorch transform
+    (torch.func.grad, vmap) must see the ops' calls."""
+    return bool(torch._C._len_torch_dispatch_stack()) or torch._C._are_functorch_transforms_active()
+
+
+def transformed() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active (not while compiling, where the
+    op is traced)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
+
+
 def plain_eager(t: torch.Tensor) -> bool:
     """Whether a call on t may skip the dispatcher (ops.eager_attention): a plain CUDA tensor in eager mode,
-    with no compile or export tracing it and no dispatch mode (FakeTensorMode, FlopCounterMode, ...) or
-    functorch transform (torch.func.grad, vmap) that must see the op."""
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.is_cuda
-        and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._are_functorch_transforms_active()
-    )
+    with no compile or export tracing it and nothing intercepting it."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda and not torch.compiler.is_compiling()
+            and not intercepted())  # fmt: skip
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """A device-side assertion: stops the kernels queued after it where condition is False, with no wait."""
+    torch._assert_async(condition, message)
 
 
 # GPU clock cycles a millisecond, rounded up from an H100's boost clock (1.98 GHz): a queue's sleep lasts

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from flashattn_triton import _launcher
+
 UNBOUNDED = -1
 
 # Masks already read, by id(): a weak reference to the tensor, its version counter then, and its band.
@@ -25,7 +27,7 @@ def _readable(mask: torch.Tensor) -> bool:
     """Whether the mask's values may be read now: a plain tensor on a real device, no trace, no capture."""
     if type(mask) is not torch.Tensor or mask.device.type == "meta" or torch.compiler.is_compiling():
         return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active():
+    if _launcher.intercepted():
         return False
     return not (mask.is_cuda and torch.cuda.is_current_stream_capturing())
 

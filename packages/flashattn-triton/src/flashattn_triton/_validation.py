@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashattn_triton import _launcher
 from flashattn_triton._dropout import draw_rng
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -382,7 +383,7 @@ def check_packed_rows(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tens
     changed since varlen_op_arguments saw them), before any kernel indexes rows by them: each cu_seqlens
     starts at 0, is non-decreasing, ends at its tensor's rows, and holds no sequence longer than its
     max_seqlen. On the host for CPU tensors (a ValueError); elsewhere on the device, with no wait for it
-    (torch._assert_async: a device-side assertion that stops the kernels after it)."""
+    (_launcher.assert_async)."""
     for name, cu, x, total_name, max_name, max_seqlen in (
         ("cu_seqlens_q", cu_seqlens_q, q, "q", "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k, "k", "max_seqlen_k", max_seqlen_k),
@@ -394,7 +395,7 @@ def check_packed_rows(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tens
                 f"{name} must start at 0, be non-decreasing, end at {total_name}'s rows "
                 f"({x.shape[0]}) and hold no sequence longer than {max_name}={max_seqlen}"
             )
-            torch._assert_async(packed_rows_valid(cu, x.shape[0], max_seqlen), message)
+            _launcher.assert_async(packed_rows_valid(cu, x.shape[0], max_seqlen), message)
 
 
 def packed_rows_valid(cu: torch.Tensor, total: int, max_seqlen: int) -> torch.Tensor:

@@ -349,18 +349,10 @@ class _TransformedAttention(torch.autograd.Function):
         return attn_fwd(*inputs)
 
 
-def _transformed() -> bool:
-    """Whether a torch.func transform or a forward-mode AD level is active (not while compiling, where the
-    op is traced)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0
-
-
 def eager_attention(*inputs: Any) -> tuple[Tensor, Tensor]:
     """attn_fwd(*inputs) with its autograd: through the op, where _plain_eager without the dispatcher,
     under a torch.func transform or forward-mode AD through _TransformedAttention."""
-    if _transformed():
+    if _launcher.transformed():
         return _TransformedAttention.apply(*inputs)
     if _launcher.plain_eager(inputs[0]):
         return _EagerAttention.apply(*inputs)
