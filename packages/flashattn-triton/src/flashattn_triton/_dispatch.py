@@ -31,13 +31,12 @@ import torch
 from flashattn_triton import _hopper, _launcher
 from flashattn_triton._configs import describe as describe_config
 from flashattn_triton._configs import is_small_problem
-from flashattn_triton._inputs import input_precision, padded_head_dim
+from flashattn_triton._inputs import MAX_HEAD_DIM, input_precision, padded_head_dim
 from flashattn_triton._launcher import env_flag
+from flashattn_triton._validation import UNBOUNDED
 
-UNBOUNDED = -1
 GLUON, TUNED, FEATURES, TORCH = "gluon-sm90", "tuned-triton", "feature-triton", "pytorch"
 BACKENDS = (GLUON, TUNED, FEATURES, TORCH)  # fastest first
-MAX_HEAD_DIM = 256  # the Triton kernels' largest head dim
 # Head dims each Gluon kernel compiles for without spills (the backward at d = 128 in 32-row steps with dQ
 # transposed, or 64-row query-major ones: _hopper_kernels.transposed_step, query_major_step).
 GLUON_HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}

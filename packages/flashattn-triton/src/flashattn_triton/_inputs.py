@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from flashattn_triton import _launcher
 from flashattn_triton._configs import block_d
+from flashattn_triton._validation import as_4d
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # the Triton kernels' largest head dim
 
 
 interpret_requested = _launcher.interpret_requested
@@ -49,11 +50,6 @@ def check_device(q: torch.Tensor) -> None:
             "dot products are wrong; use float32 or float16 there, or unset TRITON_INTERPRET to run the "
             "PyTorch path"
         )
-
-
-def as_4d(x: torch.Tensor) -> torch.Tensor:
-    """(..., T, d) as (Z, H, T, d): a view for 3-D and 4-D tensors of any strides."""
-    return x.unsqueeze(0) if x.dim() == 3 else x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
 
 
 def output_like(x: torch.Tensor) -> torch.Tensor:

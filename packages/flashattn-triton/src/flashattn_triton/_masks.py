@@ -15,8 +15,7 @@ import weakref
 import torch
 
 from flashattn_triton import _launcher
-
-UNBOUNDED = -1
+from flashattn_triton._validation import UNBOUNDED
 
 # Masks already read, by id(): a weak reference to the tensor, its version counter then, and its band.
 _SEEN: dict[int, tuple[weakref.ref, int, tuple[int, int] | None]] = {}

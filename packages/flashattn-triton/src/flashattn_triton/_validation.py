@@ -196,7 +196,7 @@ def _rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
     return draw_rng(device) if dropout_p > 0.0 else None
 
 
-def _as_4d(x: torch.Tensor) -> torch.Tensor:
+def as_4d(x: torch.Tensor) -> torch.Tensor:
     """(..., H, T, d) as (B, H, T, d), B the product of the leading dims (1 for none): a view where the
     strides allow it."""
     return x.reshape(x.shape[:-3].numel(), *x.shape[-3:])  # (not -1: a 0-length dim leaves it undefined)
@@ -319,7 +319,7 @@ def op_arguments(
         mask = None if attn_mask is None else _check_mask(attn_mask, query, seqlen_k)
     dropout_p = check_dropout(dropout_p)
     return OpArguments(
-        _as_4d(query), _as_4d(key), _as_4d(value), mask, dropout_p, _rng_state(dropout_p, query.device),
+        as_4d(query), as_4d(key), as_4d(value), mask, dropout_p, _rng_state(dropout_p, query.device),
         check_scale(scale, query.shape[-1]), band.window_left, band.window_right, band.diagonal_offset,
     )  # fmt: skip
 

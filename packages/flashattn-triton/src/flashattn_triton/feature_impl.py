@@ -9,15 +9,15 @@ are plain JIT calls, safe under CUDA graph capture after a first call).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from flashattn_triton._configs import block_d
 from flashattn_triton._dropout import Dropout, check_rng, kept_scale, threshold
-from flashattn_triton._inputs import output_like
-from flashattn_triton._launcher import feature_kernels, out_of_resources
+from flashattn_triton._inputs import input_precision, output_like
+from flashattn_triton._launcher import device_guard, feature_kernels, out_of_resources
 from flashattn_triton._validation import UNBOUNDED
 
 
@@ -77,16 +77,6 @@ def _launch(
                 raise
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "tf32x3"
-    return "tf32"
-
-
-def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
     """x with unit stride along its last dim (the kernels' pointers step rows by stride, columns by 1, and
     index a cu_seqlens by sequence); None for None."""
@@ -94,17 +84,11 @@ def _unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(z, h, t) strides of a (B, H, T, d) tensor, or of a packed (total, H, d) one (z: 0)."""
+    """(z, h, t) strides of a (B, H, T, d) tensor or L (B, H, T), or of a packed (total, H, d) one or L
+    (total, H) (z: 0)."""
     if varlen:
         return 0, x.stride(1), x.stride(0)
     return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(z, h, t) strides of L: (B, H, T), or packed (total, H)."""
-    if varlen:
-        return 0, lse.stride(1), lse.stride(0)
-    return lse.stride(0), lse.stride(1), lse.stride(2)
 
 
 class _Problem(NamedTuple):
@@ -161,15 +145,14 @@ def _problem(
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
     dropout = (threshold(dropout_p), kept_scale(dropout_p), counters.stride_b, counters.stride_h,
                counters.stride_i)  # fmt: skip
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
     constants = {
-        "BLOCK_D": block_d,
+        "BLOCK_D": block_d(head_dim),
         "HAS_LEFT": window_left != UNBOUNDED,
         "HAS_RIGHT": window_right != UNBOUNDED,
         "MASK": mask_kind,
         "DROPOUT": dropout_p > 0.0,
         "VARLEN": varlen,
-        "INPUT_PRECISION": _input_precision(q.dtype),
+        "INPUT_PRECISION": input_precision(q.dtype),
     }
     return _Problem(
         varlen,
@@ -215,7 +198,7 @@ def feature_forward(
         return out.zero_(), lse.fill_(float("-inf"))
     (seqlens, scale, band, dropout), c = p.shared, p.constants
     blocks = _blocks(c["BLOCK_D"], q.dtype, q.device).forward
-    with _device_guard(q):
+    with device_guard(q):
         _launch(
             feature_kernels().attn_fwd,
             lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
@@ -233,7 +216,7 @@ def feature_forward(
             *_strides(k, p.varlen),
             *_strides(v, p.varlen),
             *_strides(out, p.varlen),
-            *_lse_strides(lse, p.varlen),
+            *_strides(lse, p.varlen),
             *p.mask_strides,
             p.heads,
             p.heads // p.kv_heads,
@@ -290,10 +273,10 @@ def feature_backward(
         *_strides(k, p.varlen),
         *_strides(v, p.varlen),
         *_strides(grad_out, p.varlen),
-        *_lse_strides(lse, p.varlen),
+        *_strides(lse, p.varlen),
     )
     group = p.heads // p.kv_heads
-    with _device_guard(q):
+    with device_guard(q):
         _launch(
             kernels.attn_bwd_dkdv,
             lambda b: (-(-p.seqlen_k // b.block_n), p.batch * p.kv_heads),

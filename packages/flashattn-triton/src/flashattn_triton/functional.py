@@ -164,7 +164,7 @@ def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: di
     if _dispatch.choose(description) not in (_dispatch.GLUON, _dispatch.TUNED):
         return _dispatch.explain_description(description)
     is_causal = window[1] == 0
-    band = None if (window[0] == -1 and window[1] in (0, -1)) else window
+    band = ops.tuned_window(options)
     _, problem = triton_impl.describe_problem(pass_name, q, tensors, is_causal, band, 0.5 * dropout,
                                               deterministic, None, capability)  # fmt: skip
     candidates = _configs.candidates(problem)

@@ -81,8 +81,7 @@ from flashattn_triton import (
     torch_impl,
     triton_impl,
 )
-
-UNBOUNDED = -1
+from flashattn_triton._validation import UNBOUNDED
 
 _LIBRARY = torch.library.Library("flashattn_triton", "FRAGMENT")  # as custom_op's
 
@@ -143,7 +142,7 @@ def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
     return route[1]
 
 
-def _window(options: dict[str, Any]) -> tuple[int, int] | None:
+def tuned_window(options: dict[str, Any]) -> tuple[int, int] | None:
     """The tuned kernels' window of a "tuned" problem: (window_left, window_right) where they make a band,
     None where the problem is plain or causal (window_right = 0 is the causal flag they get)."""
     left, right = options["window_left"], options["window_right"]
@@ -182,7 +181,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
         out, lse = torch_impl.attention_forward(q, k, v, **options)
         return _inputs.in_output_layout(out, q), lse
     if backend in (_dispatch.TUNED, _dispatch.GLUON):
-        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=_window(options),
+        return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=tuned_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state,
                                           packed=_packed_sequences(options))  # fmt: skip
     _check_triton_inputs(q)
@@ -211,7 +210,7 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     if backend in (_dispatch.TUNED, _dispatch.GLUON):
         return triton_impl.triton_backward(q, k, v, out, lse, grad_out, window_right == 0, scale,
                                            grad_lse=grad_lse, deterministic=deterministic,
-                                           share_allocation=False, window=_window(options),
+                                           share_allocation=False, window=tuned_window(options),
                                            dropout_p=dropout_p, rng_state=rng_state,
                                            packed=_packed_sequences(options))  # fmt: skip
     _check_triton_inputs(q)

@@ -38,7 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flashattn_triton._dropout import Dropout, check_rng
-from flashattn_triton._validation import UNBOUNDED, AttentionFunction, Band, check_inputs
+from flashattn_triton._validation import UNBOUNDED, AttentionFunction, Band, as_4d, check_inputs
 
 TILE_K = 64
 
@@ -414,16 +414,11 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return tuple(grads)
 
 
-def _as_4d(x: torch.Tensor) -> torch.Tensor:
-    """(..., T, d) as (B, H, T, d)."""
-    return x.reshape(x.shape[:-3].numel(), *x.shape[-3:])
-
-
 def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                   tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(O, L) of the assignment's problem: q (..., Tq, d), k and v (..., Tk, d) with q's leading dims,
     top-left causal masking; L float32 of shape q.shape[:-1]."""
-    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), scale=scale,
+    out, lse = attention_forward(as_4d(q), as_4d(k), as_4d(v), scale=scale,
                                  window_right=0 if is_causal else UNBOUNDED, tile_k=tile_k)  # fmt: skip
     return out.view(q.shape), lse.view(q.shape[:-1])
 
@@ -433,7 +428,7 @@ def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dQ, dK, dV) of torch_forward."""
     grads = attention_backward(
-        _as_4d(grad_out), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), _as_4d(lse.unsqueeze(-1))[..., 0],
+        as_4d(grad_out), as_4d(q), as_4d(k), as_4d(v), as_4d(out), as_4d(lse.unsqueeze(-1))[..., 0],
         scale=scale, window_right=0 if is_causal else UNBOUNDED, tile_k=tile_k,
     )  # fmt: skip
     return tuple(g.reshape(t.shape) for g, t in zip(grads, (q, k, v), strict=True))
