@@ -20,10 +20,8 @@ def check_head_dim(q: torch.Tensor) -> None:
     """The Triton path's limit on the head dim (after check_inputs has passed)."""
     head_dim = q.shape[-1]
     if head_dim > MAX_HEAD_DIM:
-        raise ValueError(
-            f"head dim {head_dim} (q.shape[-1]) is not supported by the Triton kernels "
-            f"(1..{MAX_HEAD_DIM}); use FlashAttentionTorch for larger head dims"
-        )
+        raise ValueError(f"head dim {head_dim} (q.shape[-1]) is not supported by the Triton kernels "
+                         f"(1..{MAX_HEAD_DIM}); use FlashAttentionTorch for larger head dims")
 
 
 def check_device(q: torch.Tensor) -> None:

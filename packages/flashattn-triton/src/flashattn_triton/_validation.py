@@ -50,10 +50,8 @@ def _check_like(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, v
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but {q_name} is on {q.device}; use one device")
         if t.shape[-1] != q.shape[-1]:
-            raise ValueError(
-                f"{name}'s head dim {t.shape[-1]} differs from {q_name}'s {q.shape[-1]} "
-                f"({q_name} {tuple(q.shape)}, {name} {tuple(t.shape)})"
-            )
+            raise ValueError(f"{name}'s head dim {t.shape[-1]} differs from {q_name}'s {q.shape[-1]} "
+                             f"({q_name} {tuple(q.shape)}, {name} {tuple(t.shape)})")
 
 
 def check_scale(scale: object, head_dim: int) -> float:
@@ -77,14 +75,8 @@ class AttentionFunction(torch.autograd.Function):
     defaults and types (torch's own apply takes positional arguments only)."""
 
     @classmethod
-    def apply(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool = False,  # type: ignore[override]
-        scale: float | None = None,
-    ) -> torch.Tensor:
+    def apply(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,  # type: ignore[override]
+              scale: float | None = None) -> torch.Tensor:  # fmt: skip
         return super().apply(q, k, v, is_causal, scale)
 
 
@@ -117,10 +109,8 @@ def check_inputs(
 def _check_keys(names: tuple[str, str], k: torch.Tensor, v: torch.Tensor, dim: int = -2) -> None:
     k_name, v_name = names
     if v.shape[dim] != k.shape[dim]:
-        raise ValueError(
-            f"{v_name} has {v.shape[dim]} keys but {k_name} has {k.shape[dim]} "
-            f"({k_name} {tuple(k.shape)}, {v_name} {tuple(v.shape)})"
-        )
+        raise ValueError(f"{v_name} has {v.shape[dim]} keys but {k_name} has {k.shape[dim]} "
+                         f"({k_name} {tuple(k.shape)}, {v_name} {tuple(v.shape)})")
     if k.shape[dim] == 0:
         shape = tuple(k.shape)
         raise ValueError(f"{k_name} and {v_name} need at least one key, got {k_name} of shape {shape}")
@@ -440,10 +430,8 @@ def varlen_op_arguments(
             raise TypeError(f"{name} must be an int >= 0, got {value!r}")
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", "max_seqlen_q", max_seqlen_q, q.device)
     if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q holds {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k "
-            f"{cu_seqlens_k.numel() - 1}; they must be equal"
-        )
+        raise ValueError(f"cu_seqlens_q holds {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k "
+                         f"{cu_seqlens_k.numel() - 1}; they must be equal")
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", "max_seqlen_k", max_seqlen_k, q.device)
     _check_flag("is_causal", is_causal)
     dropout_p = check_dropout(dropout_p)

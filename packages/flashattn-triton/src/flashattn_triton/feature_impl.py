@@ -57,20 +57,13 @@ def _blocks(block_d: int, dtype: torch.dtype, device: torch.device) -> Launches:
     return Launches(Blocks(128, 32, 8, 3), Blocks(32, 64, 8, 2), Blocks(64, 32, 8, 2))
 
 
-def _launch(
-    kernel: Any, grid: Callable[[Blocks], tuple[int, int]], blocks: Blocks, *args: Any, **constants: Any
-) -> None:
+def _launch(kernel: Any, grid: Callable[[Blocks], tuple[int, int]], blocks: Blocks, *args: Any,
+            **constants: Any) -> None:  # fmt: skip
     """kernel[grid(blocks)](*args) with blocks' tiles, stepping down to SMALLEST if they do not fit."""
     for attempt in (blocks, SMALLEST):
         try:
-            kernel[grid(attempt)](
-                *args,
-                BLOCK_M=attempt.block_m,
-                BLOCK_N=attempt.block_n,
-                num_warps=attempt.num_warps,
-                num_stages=attempt.num_stages,
-                **constants,
-            )
+            kernel[grid(attempt)](*args, BLOCK_M=attempt.block_m, BLOCK_N=attempt.block_n,
+                                  num_warps=attempt.num_warps, num_stages=attempt.num_stages, **constants)
             return
         except out_of_resources():
             if attempt == SMALLEST:
@@ -100,29 +93,17 @@ class _Problem(NamedTuple):
     kv_heads: int
     seqlen_q: int
     seqlen_k: int
-    head_dim: int
     mask: torch.Tensor
     mask_strides: tuple[int, int, int, int]
-    mask_kind: int
     rng: torch.Tensor | None
     shared: tuple  # the scalar arguments after the head counts, in the kernels' order
     constants: dict
 
 
-def _problem(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    rng_state: torch.Tensor | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    diagonal_offset: int,
-    cu_seqlens_q: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-) -> _Problem:
+def _problem(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
+             rng_state: torch.Tensor | None, scale: float, window_left: int, window_right: int,
+             diagonal_offset: int, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int,
+             max_seqlen_k: int) -> _Problem:  # fmt: skip
     varlen = cu_seqlens_q is not None
     if varlen:
         batch, heads, kv_heads = cu_seqlens_q.numel() - 1, q.shape[1], k.shape[1]
@@ -141,53 +122,22 @@ def _problem(
         mask_kind = 1 if attn_mask.dtype == torch.bool else 2
     check_rng(dropout_p, rng_state)
     head_dim = q.shape[-1]
-    shared = (seqlen_q, seqlen_k, head_dim)
     band = (diagonal_offset, max(window_left, 0), max(window_right, 0))
     dropout = (threshold(dropout_p), kept_scale(dropout_p), counters.stride_b, counters.stride_h,
                counters.stride_i)  # fmt: skip
-    constants = {
-        "BLOCK_D": block_d(head_dim),
-        "HAS_LEFT": window_left != UNBOUNDED,
-        "HAS_RIGHT": window_right != UNBOUNDED,
-        "MASK": mask_kind,
-        "DROPOUT": dropout_p > 0.0,
-        "VARLEN": varlen,
-        "INPUT_PRECISION": input_precision(q.dtype),
-    }
-    return _Problem(
-        varlen,
-        batch,
-        heads,
-        kv_heads,
-        seqlen_q,
-        seqlen_k,
-        head_dim,
-        mask,
-        mask_strides,
-        mask_kind,
-        rng_state,
-        (shared, scale, band, dropout),
-        constants,
-    )
+    constants = {"BLOCK_D": block_d(head_dim), "HAS_LEFT": window_left != UNBOUNDED,
+                 "HAS_RIGHT": window_right != UNBOUNDED, "MASK": mask_kind, "DROPOUT": dropout_p > 0.0,
+                 "VARLEN": varlen, "INPUT_PRECISION": input_precision(q.dtype)}  # fmt: skip
+    return _Problem(varlen, batch, heads, kv_heads, seqlen_q, seqlen_k, mask, mask_strides, rng_state,
+                    ((seqlen_q, seqlen_k, head_dim), scale, band, dropout), constants)
 
 
-def feature_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    scale: float,
-    window_left: int = UNBOUNDED,
-    window_right: int = UNBOUNDED,
-    diagonal_offset: int = 0,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def feature_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    rng_state: torch.Tensor | None = None, scale: float,
+                    window_left: int = UNBOUNDED, window_right: int = UNBOUNDED, diagonal_offset: int = 0,
+                    cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                    max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_impl.attention_forward's (O, L), from _feature_kernels.attn_fwd."""
     q, k, v, cu_seqlens_q, cu_seqlens_k = (_unit_last(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k))
     p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
@@ -198,58 +148,23 @@ def feature_forward(
         return out.zero_(), lse.fill_(float("-inf"))
     (seqlens, scale, band, dropout), c = p.shared, p.constants
     blocks = _blocks(c["BLOCK_D"], q.dtype, q.device).forward
+    strides = (*_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen),
+               *_strides(out, p.varlen), *_strides(lse, p.varlen))  # fmt: skip
     with device_guard(q):
-        _launch(
-            feature_kernels().attn_fwd,
-            lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
-            blocks,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            p.mask,
-            p.rng,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            *_strides(q, p.varlen),
-            *_strides(k, p.varlen),
-            *_strides(v, p.varlen),
-            *_strides(out, p.varlen),
-            *_strides(lse, p.varlen),
-            *p.mask_strides,
-            p.heads,
-            p.heads // p.kv_heads,
-            *seqlens,
-            scale * feature_kernels().LOG2E,
-            *band,
-            *dropout,
-            **c,
-        )
+        grid = lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads)
+        _launch(feature_kernels().attn_fwd, grid, blocks, q, k, v, out, lse, p.mask, p.rng, cu_seqlens_q,
+                cu_seqlens_k, *strides, *p.mask_strides, p.heads, p.heads // p.kv_heads, *seqlens,
+                scale * feature_kernels().LOG2E, *band, *dropout, **c)  # fmt: skip
     return out, lse
 
 
-def feature_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    scale: float,
-    window_left: int = UNBOUNDED,
-    window_right: int = UNBOUNDED,
-    diagonal_offset: int = 0,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-    grad_lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def feature_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                     dropout_p: float = 0.0, rng_state: torch.Tensor | None = None, scale: float,
+                     window_left: int = UNBOUNDED, window_right: int = UNBOUNDED, diagonal_offset: int = 0,
+                     cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                     max_seqlen_q: int = 0, max_seqlen_k: int = 0, grad_lse: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """torch_impl.attention_backward's (dQ, dK, dV), from _feature_kernels.attn_bwd_dkdv then attn_bwd_dq:
     no atomics, so bitwise repeatable."""
     q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k = (_unit_last(t) for t in (q, k, v, grad_out, cu_seqlens_q,
@@ -268,69 +183,17 @@ def feature_backward(
     (seqlens, scale, band, dropout), c = p.shared, p.constants
     launches = _blocks(c["BLOCK_D"], q.dtype, q.device)
     kernels = feature_kernels()
-    common = (
-        *_strides(q, p.varlen),
-        *_strides(k, p.varlen),
-        *_strides(v, p.varlen),
-        *_strides(grad_out, p.varlen),
-        *_strides(lse, p.varlen),
-    )
+    common = (*_strides(q, p.varlen), *_strides(k, p.varlen), *_strides(v, p.varlen),
+              *_strides(grad_out, p.varlen), *_strides(lse, p.varlen))  # fmt: skip
+    inputs = (q, k, v, grad_out, lse, delta)
     group = p.heads // p.kv_heads
+    after = (group, *seqlens, scale * kernels.LOG2E, scale, *band, *dropout)  # (after the head count)
     with device_guard(q):
-        _launch(
-            kernels.attn_bwd_dkdv,
-            lambda b: (-(-p.seqlen_k // b.block_n), p.batch * p.kv_heads),
-            launches.dkdv,
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            dk,
-            dv,
-            p.mask,
-            p.rng,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            *common,
-            *_strides(dk, p.varlen),
-            *_strides(dv, p.varlen),
-            *p.mask_strides,
-            p.kv_heads,
-            group,
-            *seqlens,
-            scale * kernels.LOG2E,
-            scale,
-            *band,
-            *dropout,
-            **c,
-        )
-        _launch(
-            kernels.attn_bwd_dq,
-            lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads),
-            launches.dq,
-            q,
-            k,
-            v,
-            grad_out,
-            lse,
-            delta,
-            dq,
-            p.mask,
-            p.rng,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            *common,
-            *_strides(dq, p.varlen),
-            *p.mask_strides,
-            p.heads,
-            group,
-            *seqlens,
-            scale * kernels.LOG2E,
-            scale,
-            *band,
-            *dropout,
-            **c,
-        )
+        _launch(kernels.attn_bwd_dkdv, lambda b: (-(-p.seqlen_k // b.block_n), p.batch * p.kv_heads),
+                launches.dkdv, *inputs, dk, dv, p.mask, p.rng, cu_seqlens_q, cu_seqlens_k, *common,
+                *_strides(dk, p.varlen), *_strides(dv, p.varlen), *p.mask_strides, p.kv_heads, *after,
+                **c)  # fmt: skip
+        _launch(kernels.attn_bwd_dq, lambda b: (-(-p.seqlen_q // b.block_m), p.batch * p.heads), launches.dq,
+                *inputs, dq, p.mask, p.rng, cu_seqlens_q, cu_seqlens_k, *common, *_strides(dq, p.varlen),
+                *p.mask_strides, p.heads, *after, **c)  # fmt: skip
     return dq, dk, dv

@@ -143,24 +143,13 @@ def _dropout(dropout_p: float, rng_state: torch.Tensor | None, q: torch.Tensor,
     return Dropout.dense(dropout_p, rng_state, heads, seqlen_q, seqlen_k)
 
 
-def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    scale: float,
-    window_left: int = UNBOUNDED,
-    window_right: int = UNBOUNDED,
-    diagonal_offset: int = 0,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-    tile_k: int = TILE_K,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                      rng_state: torch.Tensor | None = None, scale: float,
+                      window_left: int = UNBOUNDED, window_right: int = UNBOUNDED, diagonal_offset: int = 0,
+                      cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                      max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                      tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(O (B, Hq, Tq, d) contiguous, L float32 (B, Hq, Tq)) of the problem in _validation's terms (the
     ops' contract). rng_state: _dropout.draw_rng's (seed, offset), needed when dropout_p > 0. With
     cu_seqlens_q and cu_seqlens_k, q (total_q, Hq, d), k and v (total_k, Hkv, d) hold packed sequences
@@ -213,20 +202,11 @@ def _forward(problem: _Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
-def _backward_key_tile(
-    q: torch.Tensor,
-    q32: torch.Tensor,
-    k_tile: torch.Tensor,
-    v_tile: torch.Tensor,
-    grad_out: torch.Tensor,
-    grad_out32: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    scale: float,
-    visible: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    dropout: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_key_tile(q: torch.Tensor, q32: torch.Tensor, k_tile: torch.Tensor, v_tile: torch.Tensor,
+                       grad_out: torch.Tensor, grad_out32: torch.Tensor, lse: torch.Tensor,
+                       delta: torch.Tensor, scale: float, visible: torch.Tensor | None,
+                       bias: torch.Tensor | None, dropout: torch.Tensor | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradient pieces from one key tile: (dQ of the rows in float32, dK tile, dV tile).
 
     q (q32 its float32 copy), grad_out (grad_out32), lse (+inf for rows that see no key) and delta hold
@@ -270,40 +250,21 @@ class _CompiledOnCuda:
             raise
         except Exception as exc:  # a missing compiler, an unsupported platform, a dynamo bug...
             self.failed = True
-            warnings.warn(
-                f"torch.compile failed for FlashAttentionTorch's backward, running it eagerly from now "
-                f"on: {type(exc).__name__}: {str(exc)[:300]}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            warnings.warn(f"torch.compile failed for FlashAttentionTorch's backward, running it eagerly from "
+                          f"now on: {type(exc).__name__}: {str(exc)[:300]}", RuntimeWarning, stacklevel=2)
             return self.fn(*args)
 
 
 _backward_step = _CompiledOnCuda(_backward_key_tile)
 
 
-def attention_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    rng_state: torch.Tensor | None = None,
-    scale: float,
-    window_left: int = UNBOUNDED,
-    window_right: int = UNBOUNDED,
-    diagonal_offset: int = 0,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-    grad_lse: torch.Tensor | None = None,
-    tile_k: int = TILE_K,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                       dropout_p: float = 0.0, rng_state: torch.Tensor | None = None, scale: float,
+                       window_left: int = UNBOUNDED, window_right: int = UNBOUNDED, diagonal_offset: int = 0,
+                       cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                       max_seqlen_q: int = 0, max_seqlen_k: int = 0, grad_lse: torch.Tensor | None = None,
+                       tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dQ, dK, dV) of attention_forward's problem, from its O and L (and the same rng_state), recomputing
     P tile by tile with D = rowsum(dO * O). grad_lse, the gradient of L where the caller used L, adds P dL
     to dS = P (dP - D): it is subtracted from D. No gradient flows to attn_mask."""
@@ -442,14 +403,8 @@ class FlashAttentionTorch(AttentionFunction):
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool = False,
-        scale: float | None = None,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                scale: float | None = None) -> torch.Tensor:  # fmt: skip
         scale = check_inputs(q, k, v, is_causal, scale)
         out, lse = torch_forward(q, k, v, is_causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -459,9 +414,8 @@ class FlashAttentionTorch(AttentionFunction):
 
     @staticmethod
     @once_differentiable
-    def backward(
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:  # fmt: skip
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.scale)
         return grad_q, grad_k, grad_v, None, None
@@ -476,15 +430,13 @@ def _reference_scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: 
     return scores
 
 
-def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, scale: float | None = None
-) -> torch.Tensor:
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                        scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(scale * q k^T) v in q's dtype, the T x T scores in memory: for checks and baselines only."""
     return torch.softmax(_reference_scores(q, k, is_causal, scale), dim=-1) @ v
 
 
-def reference_logsumexp(
-    q: torch.Tensor, k: torch.Tensor, is_causal: bool = False, scale: float | None = None
-) -> torch.Tensor:
+def reference_logsumexp(q: torch.Tensor, k: torch.Tensor, is_causal: bool = False,
+                        scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """logsumexp of the scaled (masked) scores over the keys: the L that the forward saves."""
     return torch.logsumexp(_reference_scores(q, k, is_causal, scale), dim=-1)

@@ -578,14 +578,8 @@ class FlashAttentionTriton(AttentionFunction):
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        is_causal: bool = False,
-        scale: float | None = None,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                scale: float | None = None) -> torch.Tensor:  # fmt: skip
         out, lse, plan = _forward(q, k, v, is_causal, scale, None, grouped=False)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal = is_causal
@@ -593,9 +587,8 @@ class FlashAttentionTriton(AttentionFunction):
         return out
 
     @staticmethod
-    def backward(
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:  # fmt: skip
         # once_differentiable only under create_graph=True, where its gradients must refuse a second
         # differentiation; elsewhere its wrapper is host time a small problem notices.
         return (_gradients_once if torch.is_grad_enabled() else _gradients)(ctx, grad_out)
