@@ -80,10 +80,8 @@ class AttentionFunction(torch.autograd.Function):
         return super().apply(q, k, v, is_causal, scale)
 
 
-def check_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
-    enable_gqa: bool = False,
-) -> float:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
+                 enable_gqa: bool = False) -> float:
     """Validate q (..., Tq, d), k and v (..., Tk, d) with q's leading dims (the assignment's Functions), or
     with enable_gqa q (..., Hq, Tq, d), k and v (..., Hkv, Tk, d) with Hkv dividing Hq; return the softmax
     scale (default 1/sqrt(d))."""
@@ -128,11 +126,8 @@ def check_window(window_size: object) -> tuple[int, int]:
     """(left, right) of window_size (None: (-1, -1), unbounded both ways)."""
     if window_size is None:
         return UNBOUNDED, UNBOUNDED
-    if (
-        not isinstance(window_size, Sequence)
-        or len(window_size) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    ):
+    if not isinstance(window_size, Sequence) or len(window_size) != 2 or not all(
+            isinstance(w, int) and not isinstance(w, bool) for w in window_size):  # fmt: skip
         raise TypeError(f"window_size must be None or a pair of ints (left, right), got {window_size!r}")
     left, right = window_size
     if left < UNBOUNDED or right < UNBOUNDED:
@@ -257,17 +252,9 @@ def _check_mask(mask: object, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     return mask.reshape(mask.shape[:-3].numel(), *mask.shape[-3:])
 
 
-def op_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: object = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    window_size: object = None,
-) -> OpArguments:
+def op_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: object = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False, window_size: object = None) -> OpArguments:
     """flash_attention's arguments, checked, as the problem its ops compute (query (..., Hq, Tq, d), key
     and value (..., Hkv, Tk, d); 3-D inputs (H, T, d) are a batch of one). Draws the dropout's (seed,
     offset) from the default generator of the inputs' device when dropout_p > 0."""
@@ -396,20 +383,10 @@ def packed_rows_valid(cu: torch.Tensor, total: int, max_seqlen: int) -> torch.Te
     return valid & (lengths.amax() <= max_seqlen)
 
 
-def varlen_op_arguments(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    window_size: object = None,
-    enable_gqa: bool = False,
-) -> OpArguments:
+def varlen_op_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                        window_size: object = None, enable_gqa: bool = False) -> OpArguments:
     """flash_attention_varlen's arguments, checked (flash-attn's packed layout: sequence b is rows
     cu_seqlens[b]:cu_seqlens[b + 1] of q, k and v; its queries attend to its keys only)."""
     names = ("q", "k", "v")

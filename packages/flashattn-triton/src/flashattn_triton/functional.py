@@ -36,19 +36,10 @@ def _autocast_inputs(tensors: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]] | 
                               for t in tensors)  # fmt: skip
 
 
-def flash_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    window_size: tuple[int, int] | None = None,
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None,
+                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * q k^T + mask) v as scaled_dot_product_attention computes it, by FlashAttention-2.
 
     Positional order and semantics are SDPA's. query: (..., Hq, Tq, d); key, value: (..., Hkv, Tk, d);
@@ -74,21 +65,11 @@ def flash_attention(
     return (out, lse.view(query.shape[:-1])) if return_lse else out
 
 
-def flash_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    window_size: tuple[int, int] | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
+def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                           window_size: tuple[int, int] | None = None,
+                           enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
     """Attention over packed sequences of different lengths, in flash-attn's layout: q (total_q, Hq, d),
     k and v (total_k, Hkv, d), sequence b being rows cu_seqlens[b]:cu_seqlens[b + 1] (cu_seqlens_q/_k:
     int32, (batch + 1,), cumulative lengths from 0; max_seqlen_q/_k: the longest). Returns (total_q, Hq,
@@ -118,20 +99,10 @@ class Explained(NamedTuple):
         return "\n".join(str(e) for e in (self.forward, self.backward) if e is not None)
 
 
-def explain(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    window_size: tuple[int, int] | None = None,
-    grad: bool | None = None,
-    device_capability: tuple[int, int] | None = None,
-) -> Explained:
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+            enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None, grad: bool | None = None,
+            device_capability: tuple[int, int] | None = None) -> Explained:
     """Which backend and config flash_attention(query, key, value, ...) (the same arguments) would run, eager
     or compiled, and for each faster backend why not: the dispatch table's answer (_dispatch), computing
     nothing. grad: whether to explain the backward too (default: whether an input requires grad).
@@ -178,18 +149,9 @@ def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: di
     return explanation._replace(backend=backend, not_taken=not_taken)
 
 
-def tune(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    window_size: tuple[int, int] | None = None,
-) -> Explained:
+def tune(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+         enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None) -> Explained:
     """Tune the configs of flash_attention(query, key, value, ...)'s problem class on this machine now,
     forward and backward (every candidate timed on the GPU, a few seconds each), and keep the choices on
     disk for later processes (_tuning); returns explain()'s answer after. Calls never tune on their own."""
