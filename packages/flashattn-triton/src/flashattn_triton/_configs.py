@@ -35,11 +35,9 @@ class ForwardConfig:
     num_stages: int
     max_registers: int | None = None  # a per-thread register cap (Triton's maxnreg): more programs per SM
     hopper: bool = False  # the Gluon kernel of _hopper: two consumers of block_m / 2 rows, num_warps each
-    # Programs per query tile, each walking an even share of its key tiles; a second launch combines their
-    # partial results (_kernels.attn_fwd_combine). For problems whose query tiles do not fill the GPU.
+    # Programs per query tile, each walking a share of its key tiles, combined by a second launch.
     kv_splits: int = 1
-    # The Gluon kernel in persistent programs (one an SM) that each run several query tiles one after
-    # another, the next one's loads overlapping the current one's last steps and its O store.
+    # The Gluon kernel in persistent programs (one an SM), each item's loads overlapping the last one's end.
     persistent: bool = False
 
     def __post_init__(self) -> None:
@@ -58,14 +56,11 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Each program owns block_n keys and block_n queries; for dK/dV it steps through the queries block_m at a
-    time, for dQ through the keys. With atomic_dq, dQ is instead added up atomically from the dK/dV loop. With
-    hopper, the Gluon kernel of _hopper runs it (num_stages ring stages; consumers partitions of num_warps
-    warps, 16 keys a warp, beside a loader). transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full
-    accuracy: every shared-memory operand K-major) and split runs dK/dV and dQ as two launches (see
-    _kernels.attn_bwd); both need the dQ phase, not atomic_dq. A split's dQ launch may step through the keys
-    dq_block_m at a time with dq_stages stages (block_m and num_stages where None): its resident tiles and so
-    its shared memory differ from the dK/dV launch's."""
+    """A program owns block_n keys and block_n queries, stepping through the queries block_m at a time for
+    dK/dV and through the keys for dQ; atomic_dq instead adds dQ up atomically in the dK/dV loop. hopper: the
+    Gluon kernel (num_stages ring stages, consumers partitions of num_warps warps, 16 keys a warp).
+    transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full accuracy: every operand K-major); split runs
+    dK/dV and dQ as two launches, the dQ launch's steps and stages dq_block_m and dq_stages where given."""
 
     block_m: int
     block_n: int
@@ -78,14 +73,11 @@ class BackwardConfig:
     split: bool = False
     dq_block_m: int | None = None
     dq_stages: int | None = None
-    # The Gluon kernel in persistent programs (one an SM) that each run several key tiles one after
-    # another, the next one's loads overlapping the current one's last steps and dK/dV stores.
+    # The Gluon kernel in persistent programs (one an SM), each item's loads overlapping the last one's end.
     persistent: bool = False
-    # The Gluon kernel with a program a K/V head's key tile, through its group's query heads one after
-    # another (grouped-query attention): dK and dV summed in the program, not after.
+    # The Gluon kernel with a program a K/V head's key tile through its group's query heads (dK, dV summed).
     per_kv_head: bool = False
-    # The Gluon kernel's consumer partitions: one over the tile's keys, or two over half of them each, which
-    # skip the query steps that see none of their keys.
+    # The Gluon kernel's consumer partitions: two over half the keys each skip steps that see none of theirs.
     consumers: int = 1
 
     def __post_init__(self) -> None:
@@ -121,13 +113,10 @@ INTERPRETER_FORWARD = ForwardConfig(32, 16, 4, 1)
 INTERPRETER_BACKWARD = BackwardConfig(16, 32, 4, 1)
 
 F, B = ForwardConfig, BackwardConfig
-# Candidates per (block_d, bytes per element), the untuned default first; the launcher times them once
-# per problem size class and keeps the fastest. Each was measured on an H100 and builds for
-# sm_90 without register spills in its loops but one. float32's backward from d = 64 accumulates transposed
-# gradients (every TF32 operand K-major, #fp32-transposed-grads; at d = 128 with 16-row steps, which faulted
-# in Triton 3.6 only under its own tf32x3 split). At d = 128 it also runs as two launches, dK/dV in
-# 32-row steps, which reload 34 spilled registers a step and still win at T >= 16384 (#fp32-split-backward),
-# dQ in 16-row steps; float32 avoids 8-warp backward tiles at d = 128 (their spills cost 20-25x).
+# Candidates per (block_d, bytes per element), the untuned default first, each building for sm_90 without
+# register spills in its loops but one (lab/flashattn-triton/decisions.md: #tune-candidates). float32's
+# backward from d = 64 accumulates transposed gradients (every TF32 operand K-major); at d = 128 it also runs
+# as two launches (#fp32-split-backward) and avoids 8-warp tiles, whose spills cost most.
 _FORWARD = {
     (64, 2): [F(64, 128, 4, 3), F(64, 128, 4, 4), F(64, 64, 4, 3), F(64, 128, 4, 2)],
     (128, 2): [F(64, 64, 4, 3), F(128, 64, 8, 3), F(64, 128, 4, 2)],
@@ -161,10 +150,8 @@ def forward_candidates(block_d: int, element_size: int, interpret: bool) -> list
     return [INTERPRETER_FORWARD] if interpret else _row(_FORWARD, block_d, element_size)
 
 
-# Key tiles split among programs (ForwardConfig.kv_splits) are tried where one program a query tile leaves
-# the GPU short of work: fewer programs than two an SM, and a longest chain of at least SPLIT_MIN_KEY_TILES
-# key tiles (with shorter ones the combine took what the split saved). The
-# tuner then times each candidate split and unsplit.
+# Split key tiles (ForwardConfig.kv_splits) are tried where one program a query tile leaves the GPU short of
+# work (fewer programs than two an SM) and chains are long enough for the split to pay for its combine.
 KV_SPLITS = (2, 4, 8)
 SPLIT_MIN_KEY_TILES = 16
 
@@ -181,16 +168,11 @@ def backward_candidates(block_d: int, element_size: int, interpret: bool) -> lis
     return [INTERPRETER_BACKWARD] if interpret else _row(_BACKWARD, block_d, element_size)
 
 
-# The Gluon kernels on Hopper (Triton 3.6), for the problems
-# _dispatch takes them; the launcher's tuner times them after the Triton-language candidates. The register
-# cap covers the whole program: the warp-specialized partitions then trade registers (setmaxnreg). The
-# backward per head dim (up to 64: 64's): at d = 128 its 8 consumer warps step through 32 query rows at a
-# time with transposed scores, or 64 in FA3's query-major form with 2
-# or 3 stages (231 KB of shared memory). Up to d = 64 also in
-# persistent programs (K and V double-buffered, 182 KB of shared memory); at d = 128 they need 2 stages
-# (206 KB), and 2 stages lost there, persistent or not. Up to
-# d = 64 also as two consumer partitions of 4 warps (199 KB persistent), which won the window, causal and
-# xl problems measured.
+# The Gluon kernels (Triton 3.6), timed after the Triton-language candidates where _dispatch takes them. The
+# register cap covers the program; its warp-specialized partitions trade registers (setmaxnreg). The
+# backward per head dim (up to 64: 64's): at d = 128, 32 query rows a step with transposed scores or 64 in
+# FA3's query-major form; up to d = 64 also persistent (at d = 128 they would need 2 stages, which lost)
+# and as two consumer partitions of 4 warps.
 HOPPER_FORWARD = [F(128, 128, 4, 2, max_registers=168, hopper=True),
                   F(128, 128, 4, 2, max_registers=168, hopper=True, persistent=True)]
 HOPPER_BACKWARD = {
@@ -202,17 +184,15 @@ HOPPER_BACKWARD = {
           B(64, 128, 8, 2, atomic_dq=True, max_registers=168, hopper=True),
           B(64, 128, 8, 3, atomic_dq=True, max_registers=168, hopper=True)],
 }
-# Programs a K/V head's key tile, through its group's query heads (grouped-query attention without causal
-# masks): the 64-row d = 128 kernels; elsewhere the loop over the heads
-# spilled 96-224 bytes.
+# Programs a K/V head's key tile through its group's query heads (GQA without causal masks): the 64-row
+# d = 128 kernels only; elsewhere the loop over the heads spilled.
 HOPPER_BACKWARD_PER_KV_HEAD = {128: [replace(c, per_kv_head=True) for c in HOPPER_BACKWARD[128][1:]]}
 
 
 def hopper_candidates(pass_name: str, block_d: int,
                       per_kv_head: bool = False) -> list[ForwardConfig | BackwardConfig]:
-    """The Gluon kernel's candidates for pass_name ("fwd" or "bwd") at head dim block_d (one
-    _dispatch takes); with per_kv_head, the backward's programs of one a tile also as programs a
-    K/V head's tile (grouped-query attention)."""
+    """The Gluon kernel's candidates for pass_name at head dim block_d; with per_kv_head, also the backward's
+    programs a K/V head's tile (grouped-query attention)."""
     if pass_name == "fwd":
         return list(HOPPER_FORWARD)
     own = max(block_d, 64)
@@ -226,9 +206,8 @@ def dq_launch(config: BackwardConfig) -> BackwardConfig:
 
 
 def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardConfig | None:
-    """The next config down for a GPU with less shared memory: fewer stages, then smaller tiles (the
-    Hopper kernel steps down to the Triton-language kernel: its ring needs two stages; a split backward's
-    dQ launch first takes the dK/dV launch's steps and stages)."""
+    """The next config down for a GPU with less shared memory: Gluon to the Triton-language kernel, a split's
+    own dQ steps dropped, then fewer stages, then smaller tiles."""
     if config.hopper:
         kernel_only = {"per_kv_head": False, "consumers": 1} if isinstance(config, BackwardConfig) else {}
         return replace(config, hopper=False, max_registers=None, persistent=False, **kernel_only)
@@ -243,24 +222,19 @@ def smaller(config: ForwardConfig | BackwardConfig) -> ForwardConfig | BackwardC
     return None
 
 
-# Problems below this much work (problem_work: T = 32768 at B * H = 1 and d <= 64) are host-bound or
-# close to it: a call's Python and launches take about as long as its kernels. Their backward adds dQ up
-# without atomics (whose float32 sum costs two more tensor ops) and computes D = rowsum(dO * O) in its
-# kernel, saving the preprocess launch; their forward may split its key tiles among programs; the Gluon
+# Problems below this much work (T = 32768 at B * H = 1, d <= 64), and with at most about two waves of
+# 128-row query tiles on an H100, are host-bound: their backward adds dQ without atomics and computes
+# D = rowsum(dO * O) in its kernel (one launch fewer), their forward may split key tiles, and the Gluon
 # kernels, tuned for throughput, are left to larger problems.
 SMALL_PROBLEM_WORK = 32768 * 32768 * 64
-# ... and whose query tiles of 128 rows, over all heads, are at most about two waves of an H100's 132 SMs:
-# with more, the GPU is busy enough that the preprocess launch beats D's loads in every step, and atomic dQ
-# can pay.
 SMALL_PROBLEM_TILES = 256
 
 Band = tuple[int, int]  # (window_left, window_right) of the kernels' BAND
 
 
 def band_of(window: object, is_causal: bool) -> Band | None:
-    """The band of triton_impl's window=(left, right), -1 unbounded (flash-attn's convention, checked here),
-    with right = 0 under is_causal: None where it is no band, or is_causal's mask alone (the kernels'
-    CAUSAL)."""
+    """The band of triton_impl's window=(left, right) (-1 unbounded, checked here), right = 0 under is_causal;
+    None where it is no band or is_causal alone (the kernels' CAUSAL)."""
     if window is None:
         return None
     left, right = check_window(window)
@@ -272,8 +246,7 @@ def band_of(window: object, is_causal: bool) -> Band | None:
 
 
 def kernel_band(band: Band | None, seqlen_q: int, seqlen_k: int) -> dict[str, Any]:
-    """The kernels' band arguments: an unbounded side (and one wider than the sequences) as the length
-    that reaches every key, so that the kernels only see small nonnegative integers."""
+    """The kernels' band arguments, an unbounded or too wide side as the length that reaches every key."""
     if band is None:
         return {"window_left": 0, "window_right": 0, "BAND": False}
     left, right = band
@@ -291,15 +264,13 @@ def band_span(band: Band | None, seqlen_q: int, seqlen_k: int) -> int:
 
 
 def problem_work(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> int:
-    """Query-key pairs times the head dim, counted as at least 64: below it a kernel's time per pair stops
-    falling with d (the softmax's exponentials, each tile's fixed costs), so long sequences of small
-    heads are large problems."""
+    """Query-key pairs times the head dim, counted as at least 64 (below it a kernel's time per pair stops
+    falling with d)."""
     return batch_heads * seqlen_q * seqlen_k * max(head_dim, 64)
 
 
 def is_small_problem(batch_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int) -> bool:
-    """Whether a problem takes the small-problem path: its problem_work below SMALL_PROBLEM_WORK and its
-    query tiles at most SMALL_PROBLEM_TILES."""
+    """Whether a problem takes the small-problem path (SMALL_PROBLEM_WORK, SMALL_PROBLEM_TILES)."""
     tiles = batch_heads * -(-seqlen_q // 128)
     return problem_work(batch_heads, seqlen_q, seqlen_k, head_dim) < SMALL_PROBLEM_WORK and (
         tiles <= SMALL_PROBLEM_TILES)
@@ -316,15 +287,10 @@ def block_d(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class Problem:
-    """One pass ("fwd" or "bwd") of one attention problem, as far as choosing its kernels goes.
-
-    head_dim is the kernels' (padded to 16 bytes a row); hopper: whether the Gluon kernel can run this
-    layout (_dispatch); sm_count: the GPU's (0 under the interpreter); deterministic: the backward
-    must be bitwise repeatable (no atomic dQ); band_span: under a band (a sliding window), the keys a
-    query row's band spans, at most seqlen_k (0: no band); dropout: the pass drops probabilities (the
-    Gluon kernels do not); group: query heads per K/V head (grouped-query attention above 1; batch_heads
-    counts query heads); varlen: packed sequences (batch_heads, seqlen_q and seqlen_k those of the longest
-    sequences), which neither the Gluon kernels nor the split key tiles take."""
+    """One pass ("fwd" or "bwd") of one attention problem, as far as choosing its kernels goes: head_dim
+    padded to 16 bytes a row; hopper: the dispatch table chose the Gluon kernels; sm_count: 0 under the
+    interpreter; band_span: the keys a query row's band spans (0: no band); group: query heads per K/V head
+    (batch_heads counts query heads); varlen: packed sequences, seqlen_q and seqlen_k the longest."""
 
     pass_name: str
     batch_heads: int
@@ -357,13 +323,9 @@ class Problem:
 
     @property
     def size_key(self) -> tuple:
-        """What a tuned choice is kept by: everything candidates() reads, lengths, heads and a band's span
-        by size class (the span sets how many key tiles a query tile walks, and how many of them are
-        masked edges: a window of 128 and one of 4096 favor different tiles), and the group by size class:
-        a group's query heads read one K/V head, whose tiles then come from L2 more often than from memory,
-        and the backward sums their dK and dV after, so the fastest config of a grouped problem need not be
-        that of one without groups. Packed sequences add "varlen" (the keys of other problems are as
-        they were)."""
+        """What a tuned choice is kept by: all that candidates() reads, with lengths, heads, a band's span and
+        the group by size class (a span sets how many key tiles a query tile walks; a group's K/V tiles come
+        from L2 more often). Packed sequences add "varlen"."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
                 size_class(self.group), self.uses_hopper, self.deterministic,
@@ -377,8 +339,8 @@ class Problem:
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
-    """The configs problem's pass may run with, the default first. They depend on the problem through its
-    size_key only (split key tiles are decided by the size class), so one tuned choice serves a class."""
+    """The configs a problem's pass may run with, the default first: a function of its size_key, so that one
+    tuned choice serves a class."""
     table = forward_candidates if problem.pass_name == "fwd" else backward_candidates
     listed: list = table(problem.block_d, problem.element_size, problem.interpret)
     seqlen_class = size_class(max(problem.seqlen_q, problem.seqlen_k))
@@ -393,17 +355,16 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
         listed = with_split_key_tiles(listed, seqlen_class, key_class, size_class(problem.batch_heads),
                                       problem.sm_count)  # fmt: skip
     if problem.uses_hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
-        # portable kernel, and the tuner skips a Gluon build that another Triton version refuses
-        # A program a K/V head's key tile runs the group's query heads in turn: balanced where every key
-        # tile has the same work (not causal, no band).
+        # portable kernel, and the tuner skips a Gluon build that another Triton version refuses. A program
+        # a K/V head's tile is balanced where every key tile has the same work (not causal, no band).
         per_kv_head = problem.group > 1 and not (problem.is_causal or problem.band_span)
         listed = listed + hopper_candidates(problem.pass_name, problem.block_d, per_kv_head)
     return listed
 
 
 def describe(config: ForwardConfig | BackwardConfig) -> str:
-    """The numbers of a config joined by '/', then its flags, its kv_splits and consumers beyond 1 and the dQ
-    launch's own steps and stages by name."""
+    """A config's numbers joined by '/', then its flags, kv_splits and consumers beyond 1, and the dQ launch's
+    steps and stages by name."""
     flags = ("hopper", "persistent", "per_kv_head", "transposed_grads", "split")
     dq_steps = ("dq_block_m", "dq_stages")
     numbers = [x for name, x in asdict(config).items()

@@ -1,20 +1,13 @@
-"""Which backend computes a problem: one description of it, and one table from that description to a backend.
+"""Which backend computes a problem: one description of it (``Description``) and one table from it to a
+backend (``_REQUIREMENTS``), fastest first: ``gluon-sm90`` (_hopper), ``tuned-triton`` (triton_impl),
+``feature-triton`` (feature_impl: masks, bottom-right bands, what the tuned kernels do not take) and
+``pytorch`` (torch_impl, wherever Triton cannot run).
 
-Every call reaches the kernels through here, eager or compiled, exported or captured in a CUDA graph: the ops'
-real implementations (ops.attention_forward/backward) describe their inputs (``describe``) and run what
-``choose`` names. ``choose`` is a pure function of the ``Description``, so the choice for any machine can be
-asked anywhere (``flashattn_triton.explain(..., device_capability=(9, 0))`` on a CPU). The backends, fastest
-first:
-
-- ``gluon-sm90``: the Gluon kernels for Hopper (_hopper, _hopper_kernels).
-- ``tuned-triton``: the tuned Triton-language kernels (triton_impl, _kernels).
-- ``feature-triton``: the feature kernels (feature_impl, _feature_kernels): masks, bottom-right bands, and
-  what the tuned kernels do not take.
-- ``pytorch``: the PyTorch path (torch_impl), wherever Triton cannot run.
-
-Each backend's conditions are listed once, in ``_REQUIREMENTS``, as (condition, why not) pairs; a problem runs
-on the first backend whose conditions all hold, and ``explain`` reports the first failing condition of each
-faster one.
+Every call reaches the kernels through here, eager, compiled, exported or captured: the ops describe their
+inputs (``describe``) and run what ``choose`` names. ``choose`` is a pure function of the Description, so the
+choice for any machine can be asked anywhere (``explain(..., device_capability=(9, 0))`` on a CPU). Each
+backend's conditions are listed once, as (condition, why not) pairs; a problem runs on the first backend whose
+conditions all hold, and ``explain`` reports the first failing condition of each faster one.
 """
 
 from __future__ import annotations
@@ -51,15 +44,11 @@ OTHER = "other"  # d not innermost, or unaligned for TMA
 
 @dataclasses.dataclass(frozen=True)
 class Description:
-    """One pass of one attention problem, as far as choosing its backend goes.
-
-    capability: the CUDA device's (major, minor), None off CUDA. triton: Triton's kernels can run on the
-    device (CUDA with Triton installed; CPU under TRITON_INTERPRET=1). gluon: this Triton ships Gluon for
-    Hopper (and FLASHATTN_TRITON_GLUON is not 0). layouts: q, k, v's classes (and out, dO's in the backward).
-    mask: "none" or "tensor" (a mask that only encodes causality or a band is described as that band:
-    _masks). window: (left, right), -1 unbounded, right = 0 for is_causal; diagonal_offset: 0 top-left,
-    Tk - Tq bottom-right. group: query heads per K/V head. small: below the size where the Gluon kernels pay
-    (_configs.is_small_problem)."""
+    """One pass of one attention problem, as far as choosing its backend goes. capability: (major, minor),
+    None off CUDA; triton: Triton can run on the device; gluon: this Triton ships Gluon for Hopper
+    (FLASHATTN_TRITON_GLUON not 0); layouts: each tensor's class; mask: "none" or "tensor" (a band's mask is
+    described as the band); window: (left, right), -1 unbounded; diagonal_offset: 0 top-left, Tk - Tq
+    bottom-right; group: query heads per K/V head; small: _configs.is_small_problem."""
 
     pass_name: str
     capability: tuple[int, int] | None
@@ -91,8 +80,7 @@ class Description:
 
 
 def _tuned_band(d: Description) -> bool:
-    """Plain or top-left causal attention, or a top-left band with Tq = Tk (packed sequences: plain or
-    causal only)."""
+    """Plain or top-left causal attention, or a top-left band with Tq = Tk (packed: plain or causal only)."""
     if d.plain_or_causal:
         return True
     return not d.varlen and d.diagonal_offset == 0 and d.seqlen_q == d.seqlen_k
@@ -153,8 +141,8 @@ def choose(d: Description) -> str:
 
 
 class Explanation(NamedTuple):
-    """What explain() returns for one pass: the backend, the config it runs (None where it has none), and
-    for each faster backend why it was not taken."""
+    """explain()'s answer for one pass: the backend, its config (None where it has none), and why not each
+    faster backend."""
 
     pass_name: str
     backend: str
@@ -187,8 +175,8 @@ def layout_class(t: torch.Tensor) -> str:
 
 
 def uses_triton(device: torch.device) -> bool:
-    """Whether the ops run the Triton kernels for tensors on `device`: on CUDA where Triton is installed,
-    on CPU under TRITON_INTERPRET=1."""
+    """Whether the ops run Triton kernels on `device`: on CUDA with Triton installed, on CPU under
+    TRITON_INTERPRET=1."""
     if device.type == "cuda":
         if _launcher.triton_available():
             return True
@@ -223,10 +211,9 @@ def describe(pass_name: str, q: torch.Tensor, k: torch.Tensor, tensors: tuple[to
              dropout: bool = False, varlen: tuple[int, int, int] | None = None, grad: bool = False,
              deterministic: bool = False,
              capability: tuple[int, int] | None | bool = False) -> Description:  # fmt: skip
-    """The Description of a pass over q (B, Hq, Tq, d), k (B, Hkv, Tk, d) (or packed (total, H, d) with
-    varlen = (batch, max_seqlen_q, max_seqlen_k)), tensors being every tensor the pass reads in the kernels'
-    layout (q, k, v, and out, dO in the backward). capability: the device's unless given (a described
-    machine: then Triton and Gluon count as there)."""
+    """The Description of a pass over q (B, Hq, Tq, d) and k (or packed (total, H, d) with varlen = (batch,
+    max_seqlen_q, max_seqlen_k)), tensors being all it reads (q, k, v[, out, dO]). capability: the device's
+    unless given (then Triton and Gluon count as there)."""
     if capability is False:
         capability, triton, gluon = machine(q.device)
     else:
@@ -249,8 +236,8 @@ _recorded: list[Description] | None = None
 
 
 class recording:  # noqa: N801 (a context manager, named as contextlib's are)
-    """``with recording() as seen:`` collects the Description of every pass the ops run (eager, compiled or
-    captured): which layouts, mask and band the real implementation saw."""
+    """``with recording() as seen:`` collects the Description of every pass the ops run, eager, compiled or
+    captured."""
 
     def __enter__(self) -> list[Description]:
         global _recorded

@@ -1,25 +1,20 @@
 """Dropout of attention probabilities from a counter-based generator, so that the backward regenerates the
 forward's mask instead of storing it.
 
-A call draws ``rng = (seed, offset)`` (int64, shape (2,)) from torch's default generator for the device
-(:func:`draw_rng`), so ``torch.manual_seed(s)`` before two calls gives the same masks. One Philox4x32-10
-call (Triton's ``tl.randint4x``: key = the seed's two halves, counter = (c, its high half, 0, 0)) gives
-four 32-bit outputs r0..r3, 16 bytes, one each for 16 adjacent keys of a row (8-bit randoms, as in
-FlashAttention-2): key j of the group takes byte j % 4 of output j // 4, bytes counted from the least
-significant (the 16 bytes of r0..r3 stored little-endian, in order). Probability (b, h, i, j) takes byte
-j % 16 of the call at c = offset + b * stride_b + h * stride_h + i * stride_i + j // 16, the rows being
-``ceil(Tk / 16)`` calls apart (:meth:`Dropout.dense`). That is element n of the row-major (B, H, Tq, Tk)
-counter space, its rows padded to a multiple of 16 keys, taking byte n % 16 of the call at offset + n // 16;
-a kernel's key tiles start at multiples of 16, so they need one call per 16 keys.
+A call draws ``rng = (seed, offset)`` (int64, (2,)) from torch's default generator for the device
+(:func:`draw_rng`): ``torch.manual_seed(s)`` repeats the masks. One Philox4x32-10 call (``tl.randint4x``: key
+= the seed's halves, counter = (c, its high half, 0, 0)) gives four 32-bit outputs, 16 bytes, one for each of
+16 adjacent keys of a row: key j takes byte j % 4 of output j // 4, from the least significant. Probability
+(b, h, i, j) takes byte j % 16 of the call at c = offset + b * stride_b + h * stride_h + i * stride_i + j //
+16, rows ``ceil(Tk / 16)`` calls apart (:meth:`Dropout.dense`): the row-major (B, H, Tq, Tk) counter space,
+rows padded to 16 keys.
 
-A probability is dropped iff its byte is below ``threshold(p)``: round(p * 256), kept within [1, 255] for
-0 < p < 1, 0 for p = 0 and 256 (every byte) for p = 1. So p is rounded to a multiple of 1/256, the
-effective p = threshold(p) / 256 (:func:`effective_p`; 0.1 becomes 26/256 = 0.1015625), and kept ones are
-scaled by ``kept_scale(p)`` = 1 / (1 - effective p), which keeps the expectation exact for it. (SDPA's
-flash backend also draws bytes, keeping one iff it is at most floor((1 - p) * 255): it drops with
-probability (255 - floor((1 - p) * 255)) / 256, 0.1015625 for p = 0.1, but scales by 1 / (1 - p).)
-:func:`philox` computes the same outputs as ``tl.randint4x`` with int64 tensor arithmetic on any device,
-so the PyTorch path and the kernels drop the same probabilities.
+A probability is dropped iff its byte is below ``threshold(p)`` = round(p * 256), within [1, 255] for 0 < p <
+1 (0 for p = 0, 256 for p = 1), so the effective p is threshold(p) / 256 (:func:`effective_p`; 0.1 becomes
+0.1015625), and kept ones are scaled by ``kept_scale(p)`` = 1 / (1 - effective p), which keeps the expectation
+exact. (SDPA's flash backend also draws bytes and drops 0.1015625 for p = 0.1, but scales by 1 / (1 - p).)
+:func:`philox` computes ``tl.randint4x``'s outputs with int64 tensor arithmetic, so the PyTorch path drops
+what the kernels drop.
 """
 
 from __future__ import annotations
@@ -36,8 +31,8 @@ SEED_BITS = 62  # seeds and offsets drawn below 2**62: the counters added to an 
 
 
 def draw_rng(device: torch.device) -> torch.Tensor:
-    """(seed, offset), int64, drawn from torch's default generator for `device` (also under CUDA graph
-    capture, where the draw is part of the graph)."""
+    """(seed, offset), int64, from torch's default generator for `device` (under CUDA graph capture, part of
+    the graph)."""
     return torch.randint(0, 2**SEED_BITS, (2,), dtype=torch.int64, device=device)
 
 
@@ -51,9 +46,8 @@ BYTE_VALUES = 256  # a probability's random number is one byte of a Philox outpu
 
 
 def threshold(dropout_p: float) -> int:
-    """A byte b drops its probability iff b < threshold(dropout_p): the nearest multiple of 1/256 to p, in
-    256ths, kept within [1, 255] for 0 < p < 1 (dropout that neither vanishes nor drops everything), 0 for
-    p = 0 and 256 for p = 1 (every probability dropped, as SDPA does)."""
+    """A byte b drops its probability iff b < threshold(p): p in 256ths, within [1, 255] for 0 < p < 1, 0 for
+    p = 0, 256 for p = 1."""
     if dropout_p in (0.0, 1.0):
         return int(dropout_p * BYTE_VALUES)
     return min(max(round(dropout_p * BYTE_VALUES), 1), BYTE_VALUES - 1)
@@ -65,15 +59,13 @@ def effective_p(dropout_p: float) -> float:
 
 
 def kept_scale(dropout_p: float) -> float:
-    """The factor of kept probabilities: 1 / (1 - effective_p(dropout_p)), 256 over the bytes that keep;
-    0 for p = 1, which keeps none."""
+    """The factor of kept probabilities, 1 / (1 - effective_p(p)); 0 for p = 1."""
     kept_bytes = BYTE_VALUES - threshold(dropout_p)
     return BYTE_VALUES / kept_bytes if kept_bytes else 0.0
 
 
 def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit halves of a * b, for a < 2**32 and b a tensor of values < 2**32, in int64 without
-    overflow: b is split into 16-bit halves."""
+    """(high, low) 32-bit halves of a * b (a, b < 2**32) in int64, b split into 16-bit halves."""
     low_part = (b & 0xFFFF) * a  # < 2**48
     high_part = (b >> 16) * a
     high = (high_part + (low_part >> 16)) >> 16
@@ -82,8 +74,7 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def philox(seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Triton's ``tl.randint4x(seed, counter)``: its four outputs (uint32 values, held in int64) for int64
-    counters >= 0 (``tl.randint`` is the first)."""
+    """``tl.randint4x(seed, counter)``'s four outputs (uint32 values in int64) for int64 counters >= 0."""
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
     c2 = c3 = torch.zeros_like(c0)
@@ -105,9 +96,8 @@ def calls_per_row(seqlen_k: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Dropout:
-    """The dropout of one problem: probability p, rng = (seed, offset), and the counter strides (in Philox
-    calls) of a (batch, head, query row) step; key j of a row takes byte j % 16 of the call at
-    offset + base + those steps + j // 16."""
+    """One problem's dropout: p, rng = (seed, offset), and the counter strides (in Philox calls) of a (batch,
+    head, row) step; key j takes byte j % 16 of the call at offset + base + those steps + j // 16."""
 
     p: float
     rng: torch.Tensor
@@ -125,8 +115,8 @@ class Dropout:
     @classmethod
     def packed(cls, p: float, rng: torch.Tensor, total_q: int, max_seqlen_k: int,
                first_row: int = 0) -> Dropout:  # fmt: skip
-        """The counters of packed sequences (varlen): those of a (1, H, total_q, max_seqlen_k) problem, with
-        the rows of the sequence whose first packed row is first_row numbered from 0."""
+        """Packed sequences' counters: those of a (1, H, total_q, max_seqlen_k) problem, rows from first_row.
+        """
         row = calls_per_row(max_seqlen_k)
         return cls(p, rng, 0, total_q * row, row, first_row * row)
 

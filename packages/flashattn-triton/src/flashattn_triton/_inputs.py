@@ -51,23 +51,19 @@ def check_device(q: torch.Tensor) -> None:
 
 
 def output_like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped and typed like x, laid out as SDPA lays out attention's output (and
-    its backward the gradients, ATen's ``alloc_with_matching_layout``): dense, its dims in x's order in
-    memory (sorted by x's strides, outermost first; ties keep their order), with d innermost here so that
-    the kernels can store rows (SDPA would follow an x strided along d too; such an x is rare and copied
-    anyway). So a dense x's own strides, and for q = ``proj(x).view(B, T, H, d).transpose(1, 2)`` or a
-    fused projection's ``qkv.view(B, T, 3, H, d).permute(2, 0, 3, 1, 4)[0]`` (not dense) packed (B, T, H,
-    d) memory: the model's ``out.transpose(1, 2).reshape(B, T, H * d)`` is a view, not a copy. The fake
-    implementations call it too, so real and fake strides agree by construction."""
+    """An uninitialized tensor like x, laid out as SDPA lays out attention's output and gradients (ATen's
+    ``alloc_with_matching_layout``): dense, dims in x's order in memory (by x's strides; ties keep their
+    order), d innermost. So a model's ``proj(x).view(B, T, H, d).transpose(1, 2)`` (fused or not) gets (B, T,
+    H, d) memory, and its transpose back is a view. The fake implementations call it too, so real and fake
+    strides agree."""
     inner = x.dim() - 1
     order = sorted(range(inner), key=x.stride, reverse=True)  # (sorted is stable, also reversed)
     return torch.empty_permuted(x.shape, (*order, inner), dtype=x.dtype, device=x.device)
 
 
 def in_output_layout(result: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """result, a contiguous output or gradient shaped like x, in output_like(x)'s layout: itself where the
-    two agree (x laid out in (B, H, T, d) order), else copied. For the PyTorch path, whose results are
-    contiguous: one copy, where the model would otherwise copy to undo the transpose."""
+    """result, a contiguous output or gradient shaped like x, in output_like(x)'s layout: itself where they
+    agree, else copied (for the PyTorch path)."""
     if x.is_contiguous() and result.is_contiguous():
         return result
     out = output_like(x)
@@ -89,10 +85,8 @@ def _addressable(x4: torch.Tensor, host: bool) -> bool:
 
 
 def kernel_output(out: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
-    """The (Z, H, T, head_dim) tensor that the kernels write `out` (output_like's) through: a view of out
-    where they can address it (the tuned path's case on Hopper: in place, any layout output_like makes),
-    else a contiguous one (padded along d, or for kernel-built descriptors, which take packed tensors)
-    that copy_back copies into out."""
+    """The (Z, H, T, head_dim) tensor the kernels write `out` through: a view of out where they can address
+    it, else a contiguous one that copy_back copies into out."""
     shape = (1, *out.shape) if out.dim() == 3 else (out.shape[:-3].numel(), *out.shape[-3:])
     if out.shape[-1] == head_dim:
         try:
@@ -125,11 +119,9 @@ def input_precision(dtype: torch.dtype) -> str:
 
 
 def host_descriptors(device: torch.device) -> bool:
-    """Whether the host builds the tensor descriptors: on Hopper and later, and for the interpreter.
-    Otherwise the kernels get pointers to contiguous tensors and build them (on GPUs before Hopper, as
-    ordinary loads). A kernel-built descriptor costs every program a write and a fence, which a small
-    problem's kernel time notices, while the host encodes
-    its own once per address (_launcher.LaunchArgs)."""
+    """Whether the host builds the tensor descriptors: on Hopper and later (once per address: a kernel-built
+    one costs every program a write and a fence), and for the interpreter; elsewhere the kernels build them
+    from contiguous tensors."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9
@@ -141,8 +133,8 @@ def is_kernel_view(x: torch.Tensor, head_dim: int) -> bool:
 
 
 def kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
-    """x as (Z, H, T, head_dim) that the kernels can address: padded with zeros along d if head_dim
-    is larger, and copied only if its layout is one a descriptor cannot describe."""
+    """x as (Z, H, T, head_dim) the kernels can address: zero-padded along d, copied only where a descriptor
+    cannot describe it."""
     if is_kernel_view(x, head_dim):
         return x
     x4 = as_4d(x)
@@ -152,10 +144,9 @@ def kernel_view(x: torch.Tensor, head_dim: int, host: bool) -> torch.Tensor:
 
 
 class TF32Split:
-    """The TF32 parts of inputs of one layout, as the tf32x3 kernels read them: a float32 (Z, H, T, d)
-    tensor (unit stride along d) as a (2Z, H, T, d) pair of x with its 13 low mantissa bits cleared
-    (exactly TF32), then the remainders x - high; transposed: as (2Z, H, d, T), its rows padded to 16
-    bytes. One allocation and one launch of _kernels.tf32_parts a call, their shapes worked out once."""
+    """The TF32 parts of float32 (Z, H, T, d) inputs of one layout, as the tf32x3 kernels read them: (2Z, H,
+    T, d), x with its 13 low mantissa bits cleared then the remainders (transposed: (2Z, H, d, T), rows padded
+    to 16 bytes), in one allocation and one launch of _kernels.tf32_parts."""
 
     ROWS = 32
 

@@ -1,15 +1,12 @@
-"""Kernel launches: the one module that touches Triton's and torch's private launch internals.
+"""The launcher seam: the one module that touches Triton's and torch's private internals, and that imports
+Triton and the kernel modules (on first use, so that ``import flashattn_triton`` works without Triton).
 
-A ``Launcher`` is one kernel with one config and grid, called with the kernel's arguments by name. Its first
-call goes through Triton's JIT, which compiles (or finds) the specialization for its arguments; later calls
-launch that compiled kernel directly, skipping the JIT's per-call binding and specializing of every
-argument (most of a small problem's host time). That direct launch goes
-into Triton's C launch function (``CudaLauncher``), encodes host-built descriptors with
-``make_tensordesc_arg``, unwraps Triton's descriptor wrapper with ``inspect.getclosurevars`` and reads
-the raw CUDA stream from ``torch._C``: private interfaces, used only with the Triton version whose
-launcher the tests check (``DIRECT_LAUNCH_TRITON``). With any other version every launch goes through
-the JIT (a one-time warning says so), and so does any launch while a launch hook (a profiler's) is set.
-It also asks torch's dispatcher whether a call may skip it (``plain_eager``).
+A ``Launcher`` is one kernel with one config and grid, called with its arguments by name. Its first call goes
+through Triton's JIT; later calls launch the compiled kernel directly (most of a small problem's host time is
+the JIT's per-call binding), into Triton's C launch function with host-built descriptors encoded by
+``make_tensordesc_arg`` and torch's raw stream: private interfaces, used only with the Triton version the
+tests check (``DIRECT_LAUNCH_TRITON``); any other version, or a launch hook (a profiler's), goes through the
+JIT.
 """
 
 from __future__ import annotations
@@ -36,8 +33,8 @@ DIRECT_LAUNCH_TRITON = (3, 6)  # the Triton whose C launcher the direct launch c
 
 
 class Tiles(NamedTuple):
-    """A descriptor moving `block` tiles of `tensor`, which build(tensor, block) makes: on a launch through
-    Triton's JIT, or, launched directly, once per address (_launcher.LaunchArgs)."""
+    """A descriptor moving `block` tiles of `tensor`, built by build(tensor, block) on a JIT launch, or once
+    per address on a direct one (LaunchArgs)."""
 
     tensor: torch.Tensor
     block: tuple[int, ...]
@@ -49,8 +46,8 @@ class Tiles(NamedTuple):
 
 @functools.cache
 def kernels() -> ModuleType:
-    """The Triton kernels, imported on first use (so ``import flashattn_triton`` works without Triton); on an
-    sm_90 GPU, Triton's cache first gets the compiled kernels shipped for this Triton (seed_triton_cache)."""
+    """The tuned Triton kernels, imported on first use; on an sm_90 GPU, after seeding Triton's cache with the
+    compiled kernels shipped for this Triton."""
     try:
         if not interpret_requested() and torch.cuda.is_available():
             seed_triton_cache(torch.cuda.get_device_capability())
@@ -72,8 +69,8 @@ PORTABLE_ROOT = "$TRITON_CACHE/"
 
 
 def shipped_archive(capability: tuple[int, int]) -> Path:
-    """The archive of compiled kernels shipped for this Triton on GPUs of capability (made by
-    lab/flashattn-triton/scripts/ship_kernels.py)."""
+    """The archive of compiled kernels shipped for this Triton and capability
+    (lab/flashattn-triton/scripts/ship_kernels.py)."""
     return SHIPPED_KERNELS / f"triton-{triton_version()}-sm{capability[0]}{capability[1]}.tar.gz"
 
 
@@ -88,11 +85,10 @@ def triton_cache_dir() -> Path:
 
 
 def seed_triton_cache(capability: tuple[int, int]) -> int:
-    """Add the compiled kernels shipped for this Triton and GPU to Triton's cache, those it lacks (a marker
-    file beside them records an archive already added): a fresh machine's first calls then load kernels
-    instead of compiling them. Kernels whose source or Triton build differ from the shipped ones have
-    other hashes and compile as usual. FLASHATTN_TRITON_SHIPPED_KERNELS=0 turns it off. Returns how many
-    kernels were added."""
+    """Add the compiled kernels shipped for this Triton and GPU that Triton's cache lacks (a marker file
+    records an archive added), so that a fresh machine's first calls load kernels rather than compile them;
+    kernels of other sources or builds hash differently and compile as usual.
+    FLASHATTN_TRITON_SHIPPED_KERNELS=0 turns it off. Returns how many were added."""
     if not env_flag("FLASHATTN_TRITON_SHIPPED_KERNELS", True):
         return 0
     archive = shipped_archive(capability) if triton_available() else None
@@ -127,8 +123,8 @@ def seed_triton_cache(capability: tuple[int, int]) -> int:
 
 
 def env_flag(name: str, default: bool) -> bool:
-    """The switch environment variable ``name`` sets: 1/true/on/yes, 0/false/off/no (any case), else
-    ``default`` (unset, empty or anything else)."""
+    """The switch that environment variable ``name`` sets: 1/true/on/yes, 0/false/off/no (any case), else
+    ``default``."""
     value = os.environ.get(name, "").strip().lower()
     if value in ("1", "true", "on", "yes"):
         return True
@@ -149,8 +145,7 @@ def triton_available() -> bool:
 
 
 def interpreted() -> bool:
-    """Whether the kernels were built for the interpreter (decided when they were first imported); without
-    Triton, built for neither: False (planning still runs, _inputs.check_device refuses the call)."""
+    """Whether the kernels were built for the interpreter (when first imported); False without Triton."""
     return triton_available() and type(kernels().attn_fwd).__name__ == "InterpretedFunction"
 
 
@@ -164,8 +159,8 @@ def feature_kernels() -> ModuleType:
 
 @functools.cache
 def gluon_kernels() -> ModuleType:
-    """The Gluon kernels for Hopper (_hopper's), imported when one first runs: a Gluon whose API differs
-    from Triton 3.6's fails here, and the tuner skips the Gluon candidates."""
+    """The Gluon kernels (_hopper's), imported when one first runs: a Gluon whose API differs from Triton
+    3.6's fails here, and the tuner skips them."""
     from flashattn_triton import _hopper_kernels
 
     return _hopper_kernels
@@ -206,17 +201,15 @@ def _descriptors(args: tuple) -> list:
 
 
 def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Scratch memory of one launch (Triton's allocator protocol): kernel-built descriptors live there.
-    A fresh allocation each launch (the caching allocator hands back the same block, stream-ordered): a
-    buffer kept between launches would, if first made during a warm-up of torch.compile's CUDA graph trees,
-    hold memory of the graph's pool that the trees hand to other tensors."""
+    """Scratch memory of one launch (Triton's allocator protocol) for kernel-built descriptors: a fresh
+    allocation each launch, since a buffer kept from a warm-up of torch.compile's CUDA graph trees would hold
+    memory of the graph's pool."""
     return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _set_allocator() -> None:
-    """Kernel-built descriptors live in scratch memory that Triton asks the host to allocate. Set on
-    every such call: Triton keeps the allocator in a context variable, and autograd runs the backward
-    in a thread of its own."""
+    """Set on every call: Triton keeps the allocator per context, and autograd runs the backward in its own
+    thread."""
     import triton
 
     triton.set_allocator(scratch)
@@ -255,11 +248,9 @@ _QUEUE_TRIES = 3
 
 
 def gpu_milliseconds(fn: Callable[[], None], rep_ms: float) -> float:
-    """fn's GPU time a call (on the current stream), host time excluded: about rep_ms worth of calls queued
-    behind a sleep kernel (``torch.cuda._sleep``, private torch) that lasts longer than the host takes to
-    queue them, so the GPU runs them back to back. Timed as ordinary calls, a small problem's configs
-    measure the host's time per call (a split forward's second launch: slower), and the choice depends
-    on the host and the moment."""
+    """fn's GPU time a call, host time excluded: about rep_ms worth of calls queued behind a sleep kernel
+    longer than the host takes to queue them, so that the GPU runs them back to back (timed as ordinary calls,
+    a small problem's configs would measure the host)."""
     fn()  # (compiles, fills caches)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -277,9 +268,8 @@ def gpu_milliseconds(fn: Callable[[], None], rep_ms: float) -> float:
         for _ in range(calls):
             fn()
         end.record()
-        # Where the sleep ended before the last call was queued, the GPU may have waited for the host (one
-        # fast call timed, then a busy moment) and the time would be partly the host's. A tuned choice is
-        # kept on disk: queue again behind a sleep sized from the calls just queued.
+        # Where the sleep ended before the last call was queued, the time may be partly the host's: queue
+        # again behind a sleep sized from the calls just queued (a tuned choice is kept on disk).
         drained = start.query()
         host_ms = max(2 * host_ms, (time.perf_counter() - host) * 1e3 / calls)
         end.synchronize()
@@ -295,10 +285,9 @@ def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 class Launcher:
-    """One kernel with one config (num_warps, num_stages, max_registers; None for a kernel without) and
-    grid, called with the kernel's arguments by name. Direct launches are sound only for arguments the JIT
-    would specialize the same way as on the first call: a Launcher belongs to one plan, whose key holds
-    every tensor's shape, strides, dtype and 16-byte alignment (triton_impl._plan)."""
+    """One kernel with one config (None for a kernel without) and grid, called with its arguments by name.
+    Direct launches are sound only for arguments the JIT would specialize as on the first call: a Launcher
+    belongs to one plan, whose key holds every tensor's shape, strides, dtype and alignment."""
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], config: Any = None):
         self.kernel = kernel
@@ -306,8 +295,7 @@ class Launcher:
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages} if config else {}
         if config and config.max_registers:
             self.options["maxnreg"] = config.max_registers
-        # The arguments in the kernel's order, picked from a call's dict in C (a small problem's host time
-        # notices Python loops).
+        # The arguments in the kernel's order, picked from a call's dict in C, not a Python loop.
         self.positional = operator.itemgetter(*inspect.signature(kernel.fn).parameters)
         self.compiled: Callable[[tuple], None] | None = None
 
@@ -327,9 +315,8 @@ class Launcher:
 
 
 class LaunchPair:
-    """Two launches of one plan, the second depending on the first, called with a pair of argument dicts.
-    The split forward (ForwardConfig.kv_splits): attn_fwd's partials, then attn_fwd_combine; the split
-    backward (BackwardConfig.split): attn_bwd for dK/dV, then for dQ (with its own steps)."""
+    """Two dependent launches of one plan, called with a pair of argument dicts: a split forward's partials
+    and combine, or a split backward's dK/dV and dQ."""
 
     def __init__(self, first: Launcher, second: Launcher):
         self.first = first
@@ -342,8 +329,8 @@ class LaunchPair:
 
 @functools.cache
 def _direct_launch_supported() -> bool:
-    """Whether this Triton's C launcher is the one the direct launch was written and tested against; warns
-    once where it is not."""
+    """Whether this Triton's C launcher is the one the direct launch was tested against; warns once where not.
+    """
     version = tuple(int(x) for x in triton_version().split(".")[:2])
     if version != DIRECT_LAUNCH_TRITON:
         warnings.warn(f"flashattn_triton: Triton {triton_version()} is not the version its direct kernel "
@@ -361,20 +348,16 @@ def _runtime_knobs() -> Any:
 
 
 def launch_hooked() -> bool:
-    """Whether anyone (a profiler such as Proton) hooked Triton's kernel launches: a HookChain with calls,
-    or a hook set as a plain function. Asked on every direct launch."""
+    """Whether anyone (a profiler such as Proton) hooked Triton's launches; asked on every direct launch."""
     runtime = _runtime_knobs()
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 class LaunchArgs:
-    """The arguments of one compiled kernel's C launch function, kept by the addresses of the call's tensors
-    and Tiles: tensors as addresses, Tiles as host-built descriptors, encoded as the launcher takes them
-    (the CUtensorMap, then the shape and strides). A descriptor follows from its tensor's address, shape,
-    strides and dtype and the tile, and a Launcher's plan and config fix all else (every shape, stride and
-    scalar argument, see Launcher), so repeated addresses skip the TensorDescriptors and their encoding
-    (host time a small problem notices: a forward has 4, a backward 11)."""
+    """The arguments of a compiled kernel's C launch function by the addresses of the call's tensors and
+    Tiles: tensors as addresses, Tiles as encoded host-built descriptors. A Launcher's plan and config fix all
+    else, so repeated addresses skip building and encoding the descriptors."""
 
     MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
 
@@ -384,8 +367,7 @@ class LaunchArgs:
         self.encode = make_tensordesc_arg
         self.descriptor_layouts = descriptor_layouts  # argument position -> the kernel's TMA layout of it
         self.expanded: dict[tuple, list] = {}
-        # Argument positions of the tensors and of the Tiles, found on the first call: the same in every call
-        # of a Launcher.
+        # Argument positions of the tensors and of the Tiles: found on the first call, the same in all.
         self.positions: tuple[list[int], list[int]] | None = None
 
     def __call__(self, args: tuple) -> list:
@@ -428,10 +410,9 @@ _thread = threading.local()
 
 
 def ensure_context(device: int) -> None:
-    """Make ``device``'s primary CUDA context current in this thread if none is. Host-built descriptors
-    (``cuTensorMapEncodeTiled``) and the C launch need one, and a thread whose first CUDA work is ours has
-    none: torch sets autograd's device thread to its device without creating a context there, so a
-    small problem's backward (no torch kernel before ours) failed with "invalid device context"."""
+    """Make ``device``'s primary CUDA context current in this thread if none is: host-built descriptors and
+    the C launch need one, and torch starts autograd's device thread without one (a small problem's backward
+    failed with "invalid device context")."""
     if getattr(_thread, "device", None) == device:
         return
     libcuda, context = _libcuda(), ctypes.c_void_p()
@@ -449,12 +430,10 @@ def ensure_context(device: int) -> None:
 
 
 def _direct_launch(kernel: Any, grid: tuple[int, int, int]) -> Callable[[tuple], None]:
-    """A launch of compiled `kernel` on `grid`: straight into Triton's C launch function, with tensors
-    passed as addresses and host-built descriptors encoded once (LaunchArgs), where this Triton is the one
-    the direct launch was tested with and no launch hook is set; else through the JIT's own runner.
-    Triton's runner builds launch metadata and calls its hook chains on every launch, asks the allocator
-    for scratch memory through Python, and its C launcher calls data_ptr() and cuPointerGetAttribute on
-    every tensor: about half of a small problem's host time a pass."""
+    """A launch of compiled `kernel` on `grid` straight into Triton's C launch function (tensors as addresses,
+    descriptors encoded once: LaunchArgs) where the direct launch is supported and no launch hook is set, else
+    through the JIT's runner, whose per-launch metadata, hooks and pointer queries were about half a small
+    problem's host time."""
     runner = kernel[grid]
     device = torch.cuda.current_device()
 

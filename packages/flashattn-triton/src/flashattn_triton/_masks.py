@@ -1,11 +1,8 @@
-"""Masks that only encode a band: a causal mask, or a sliding window, materialized as a tensor.
-
-Libraries build such masks where they cannot pass ``is_causal`` (transformers does while torch.compile traces
-a model, even with no padding), and a mask sends a problem to the feature kernels. ``band_of_mask`` reads a
-mask's values once and says which top-left band it is, so that the problem runs as that band. Reading the
-values syncs with the GPU once: eagerly, once per mask tensor (a model's layers share one mask, and the
-backward gets the forward's); in a compiled graph, on every call (see band_of_mask); never while a CUDA graph
-is captured or a compile traces. Pass is_causal or window_size where you can: they cost nothing.
+"""Masks that only encode a band (causal, or a sliding window), materialized as a tensor: libraries build them
+where they cannot pass ``is_causal`` (transformers does under torch.compile), and a mask would send a problem
+to the feature kernels. ``band_of_mask`` reads a mask once (one sync with the GPU: eagerly once per mask
+tensor, in a compiled graph on every call, never under capture or tracing) and says which top-left band it is,
+so that it runs as that band. is_causal and window_size cost nothing.
 """
 
 from __future__ import annotations
@@ -32,11 +29,9 @@ def _readable(mask: torch.Tensor) -> bool:
 
 
 def _read_band(mask: torch.Tensor) -> tuple[int, int] | None:
-    """The band mask encodes, read with one synchronization: mask must be one (Tq, Tk) pattern over its
-    leading dims, each value "see" or "hide" (bool; float 0, or -inf or the dtype's lowest value, which hides
-    a key exactly wherever its row sees another key), and equal to the band that its first row's last key
-    (the right bound) and its last row's first key (the left bound) give; a bound that reaches the edge is
-    unbounded (the same mask)."""
+    """The band mask encodes, read with one sync: mask must be one (Tq, Tk) pattern over its leading dims,
+    each value "see" or "hide" (bool; float 0, or -inf or the dtype's lowest), equal to the band its first
+    row's last key and its last row's first key bound; a bound at the edge is unbounded."""
     lead = mask.shape[:-2]
     first = mask[(0,) * len(lead)]
     seqlen_q, seqlen_k = first.shape
@@ -65,13 +60,11 @@ def _read_band(mask: torch.Tensor) -> tuple[int, int] | None:
 
 def band_of_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, remember: bool = True,
                  ) -> tuple[int, int] | None:  # fmt: skip
-    """(left, right) of the top-left band that mask (4-D, broadcastable to (B, H, Tq, Tk)) encodes, -1
-    unbounded; None where it encodes something else, or its values cannot be read now (see the module
-    docstring). Only bands whose first and last query rows see a key are recognised: every row of such a
-    band sees one, so a float mask's lowest value hides exactly what the band hides. remember: keep the
-    answer for this tensor until its version changes (eager calls: a tensor changes its values only
-    through ops that bump its version; a compiled graph may write a dead buffer in place, so its calls
-    read every mask)."""
+    """(left, right) of the top-left band that mask (broadcastable to (B, H, Tq, Tk)) encodes, -1 unbounded;
+    None where it encodes something else or cannot be read now. Only bands whose first and last rows see a key
+    count: every row then sees one, so a float mask's lowest value hides exactly what the band hides.
+    remember: keep the answer until the tensor's version changes (eager calls; a compiled graph may write a
+    dead buffer in place)."""
     if mask.shape[-2:] != (seqlen_q, seqlen_k) or not _readable(mask) or not seqlen_q or not seqlen_k:
         return None
     seen = _SEEN.get(id(mask)) if remember else None

@@ -1,15 +1,13 @@
-"""The config of each problem size class: shipped, tuned on request, or the heuristic default.
+"""The config of each problem size class: tuned on request, shipped, or the heuristic default.
 
-A class's config is, first found: the choice tuned in this process or kept on disk by an earlier tuning on
-this machine (a JSON file per GPU and software versions under ``$FLASHATTN_TRITON_CACHE_DIR``, else
-``$XDG_CACHE_HOME/flashattn_triton``, else ``~/.cache/flashattn_triton``, in a subdirectory of the file
-format's version); the choice shipped with the package for sm_90 GPUs (``tuned/sm90.json``, a tuning
-cache file of an H100/H200, where the package holds one: this release holds none); else the default
-(``default_config``: the Gluon kernels' first config where the dispatch table chose them, else the
-Triton-language kernels' first). A first call never waits for tuning: tuning runs only when asked, with
-``FLASHATTN_TRITON_AUTOTUNE=1`` or ``flashattn_triton.tune(...)``, and never while a CUDA graph is
-captured or torch.compile traces. ``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only (no files,
-nothing shipped). ``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each tuning's timings to stderr.
+First found: the choice tuned in this process or kept on disk by an earlier tuning on this machine (a JSON
+file per GPU and software versions under ``$FLASHATTN_TRITON_CACHE_DIR``, else
+``$XDG_CACHE_HOME/flashattn_triton``, else ``~/.cache/flashattn_triton``, in a subdirectory of the format's
+version); the choice shipped for sm_90 (``tuned/sm90.json``, where the package holds one); else
+``default_config``. Tuning runs only when asked (``FLASHATTN_TRITON_AUTOTUNE=1`` or
+``flashattn_triton.tune(...)``), never while a CUDA graph is captured or a compile traces.
+``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only; ``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each
+tuning's timings to stderr.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from flashattn_triton._version import __version__
 # The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
 # old files (2: choices by GPU time, _launcher.gpu_milliseconds).
 FORMAT = 2
-# Candidates within this fraction of the fastest count as tied, and the first of them (the default order)
-# wins: the GPU times of near-equal kernels differ by about this much from process to process.
+# Candidates within this fraction of the fastest tie (near-equal kernels' times vary that much between
+# processes), and the first of them wins.
 TIE = 0.01
 ROUNDS, ROUND_MS = 3, 4  # rounds over every candidate, and the GPU time queued for each, ms
 
@@ -53,8 +51,7 @@ def defaults_only() -> bool:
 
 
 def default_config(candidates: list, problem: Problem) -> Any:
-    """The heuristic config of an untuned class: the Gluon kernels' first where they are candidates (the
-    dispatch table chose them), else the first candidate."""
+    """The heuristic config: the Gluon kernels' first where the dispatch table chose them, else the first."""
     if problem.uses_hopper:
         return next((c for c in candidates if c.hopper), candidates[0])
     return candidates[0]
@@ -99,9 +96,8 @@ class TuningCache:
 
     def choose(self, run: Callable[[Any], None], candidates: list, problem: Problem,
                device: torch.device) -> Any:  # fmt: skip
-        """The config to run `problem` with: the known choice of its class (known), else the fastest
-        candidate timed with run(config) and kept where tuning was asked for and may run, else the
-        default."""
+        """The config of `problem`: its class's known choice, else the fastest candidate timed with
+        run(config) where tuning was asked for and may run, else the default."""
         if len(candidates) == 1 or defaults_only():
             return default_config(candidates, problem)
         key = (device, problem.size_key)
@@ -124,8 +120,8 @@ class TuningCache:
 
     def known(self, candidates: list, problem: Problem, device: torch.device,
               capability: tuple[int, int] | None = None) -> Any:  # fmt: skip
-        """The choice of problem's class made earlier (in this process, or kept on disk by a tuning on this
-        machine) or shipped for its GPU (capability: a described device's), or None."""
+        """The choice of problem's class made earlier (in this process or on disk) or shipped for its GPU
+        (capability: a described device's), or None."""
         config = self.chosen.get((device, problem.size_key))
         if config is not None or defaults_only():
             return config
@@ -139,9 +135,8 @@ class TuningCache:
 
     @staticmethod
     def _time(run: Callable[[Any], None], candidates: list) -> dict[Any, float]:
-        """Each candidate's best GPU time a call (_launcher.gpu_milliseconds) over ROUNDS rounds of all
-        candidates: timed one after another once, the first candidates met a GPU still raising its clocks,
-        and the order decided the choice."""
+        """Each candidate's best GPU time a call over ROUNDS rounds of all candidates (timed once each, the
+        first ones met a GPU still raising its clocks)."""
         times: dict[Any, float] = {}
         failed = set()
         for _ in range(ROUNDS):
@@ -163,8 +158,7 @@ class TuningCache:
 
     @staticmethod
     def _decode(entry: dict | None, candidates: list) -> Any:
-        """The candidate an entry names, or None: no entry, or one chosen among other candidates (a release
-        that adds one has it timed rather than never tried)."""
+        """The candidate an entry names; None without one, or where it was chosen among other candidates."""
         if not isinstance(entry, dict) or entry.get("candidates") != [describe(c) for c in candidates]:
             return None
         return next((c for c in candidates if dataclasses.asdict(c) == entry.get("config")), None)
@@ -184,9 +178,8 @@ class TuningCache:
         return entries if isinstance(entries, dict) else {}
 
     def _store(self, path: Path, name: str, config: Any, times: dict[Any, float], candidates: list) -> None:
-        """Add an entry (the choice, the candidates it was chosen among and their times): re-read the file
-        (other processes may have added theirs), then replace it whole (written to a temporary file beside
-        it and renamed, so no reader sees half a file)."""
+        """Add an entry (choice, candidates, times) to the file as re-read now, replacing it whole through a
+        renamed temporary file, so that no reader sees half a file."""
         entry = {"config": dataclasses.asdict(config), "candidates": [describe(c) for c in candidates],
                  "times_ms": {describe(c): t for c, t in times.items()}}  # fmt: skip
         entries = {**self._read(path), name: entry}

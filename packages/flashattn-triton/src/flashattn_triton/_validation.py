@@ -1,16 +1,6 @@
-"""Input checks shared by every path, each error naming the argument at fault, and the normalization of
-flash_attention's and flash_attention_varlen's public arguments into the one problem the ops compute.
-
-The problem (``OpArguments``): q (B, Hq, Tq, d), k and v (B, Hkv, Tk, d) with
-Hq % Hkv == 0 (grouped-query attention when Hkv < Hq: query head h reads K/V head h // (Hq // Hkv)), an
-optional mask of 4 dims broadcastable to (B, Hq, Tq, Tk) (bool: True = may attend; float: added to the
-scaled scores), a dropout probability, the softmax scale, and a band: query i sees key j iff
-
-    i + diagonal_offset - window_left <= j <= i + diagonal_offset + window_right
-
-with -1 meaning unbounded on that side. is_causal is window_right = 0 with offset 0 (top-left, SDPA's);
-CausalBias ``causal_lower_right`` is offset Tk - Tq (bottom-right, flash-attn's). A row that sees no key
-gets output 0 and log-sum-exp -inf (SDPA gives 0 there too).
+"""Input checks shared by every backend, each error naming the argument at fault, and the normalization of
+flash_attention's and flash_attention_varlen's arguments into the problem the ops compute (``OpArguments``;
+ops states the contract: shapes, mask, dropout and the band, -1 unbounded).
 """
 
 from __future__ import annotations
@@ -71,8 +61,8 @@ def _check_flag(name: str, value: object) -> None:
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Base of the two attention Functions: ``apply(q, k, v, is_causal=False, scale=None)`` with its
-    defaults and types (torch's own apply takes positional arguments only)."""
+    """Base of the two attention Functions: ``apply(q, k, v, is_causal=False, scale=None)`` with defaults and
+    types."""
 
     @classmethod
     def apply(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,  # type: ignore[override]
@@ -82,9 +72,8 @@ class AttentionFunction(torch.autograd.Function):
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None,
                  enable_gqa: bool = False) -> float:
-    """Validate q (..., Tq, d), k and v (..., Tk, d) with q's leading dims (the assignment's Functions), or
-    with enable_gqa q (..., Hq, Tq, d), k and v (..., Hkv, Tk, d) with Hkv dividing Hq; return the softmax
-    scale (default 1/sqrt(d))."""
+    """Check the Functions' q (..., Tq, d), k and v (..., Tk, d) with q's leading dims (with enable_gqa: (...,
+    Hq, Tq, d) and (..., Hkv, Tk, d), Hkv dividing Hq); return the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3, "(..., T, d)")
     _check_like(("q", "k", "v"), q, k, v)
@@ -156,10 +145,9 @@ def _band(window_size: object, causal: bool, offset: int) -> Band:
 
 
 class OpArguments(NamedTuple):
-    """flash_attention's (or flash_attention_varlen's) arguments as the custom ops take them, in the ops'
-    order (ops.py states the contract): q (B, Hq, Tq, d), k and v (B, Hkv, Tk, d) views of the inputs (or
-    the packed (total, H, d) with cu_seqlens), the mask as 4 dims, the dropout's (seed, offset), the scale
-    and the band."""
+    """flash_attention's (or flash_attention_varlen's) arguments in the ops' order: views of the inputs as (B,
+    H, T, d) (or packed (total, H, d) with cu_seqlens), the mask as 4 dims, the dropout's (seed, offset), the
+    scale and the band."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -182,15 +170,13 @@ def _rng_state(dropout_p: float, device: torch.device) -> torch.Tensor | None:
 
 
 def as_4d(x: torch.Tensor) -> torch.Tensor:
-    """(..., H, T, d) as (B, H, T, d), B the product of the leading dims (1 for none): a view where the
-    strides allow it."""
+    """(..., H, T, d) as (B, H, T, d), B the product of the leading dims: a view where the strides allow."""
     return x.reshape(x.shape[:-3].numel(), *x.shape[-3:])  # (not -1: a 0-length dim leaves it undefined)
 
 
 def _check_heads(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  enable_gqa: bool, head_dim: int) -> None:  # fmt: skip
-    """q (.., Hq, ..), k and v (.., Hkv, ..) at dim head_dim: equal head counts, or with enable_gqa Hkv
-    dividing Hq."""
+    """Equal head counts at dim head_dim, or with enable_gqa Hkv dividing Hq."""
     q_name, k_name, v_name = names
     q_heads, k_heads, v_heads = q.shape[head_dim], k.shape[head_dim], v.shape[head_dim]
     if k_heads != v_heads:
@@ -210,9 +196,8 @@ def _check_heads(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, 
 
 
 def _causal_bias(attn_mask: object) -> tuple[int, int, bool] | None:
-    """(seq_len_q, seq_len_kv, lower_right) of a torch.nn.attention.bias.CausalBias, else None. Looked up
-    among the imported modules, not imported: a CausalBias exists only where its module was imported, and
-    importing it imports torch._dynamo (seconds of a process's first call)."""
+    """(seq_len_q, seq_len_kv, lower_right) of a CausalBias, else None: looked up among the imported modules,
+    since importing its module imports torch._dynamo (seconds of a first call)."""
     bias = sys.modules.get("torch.nn.attention.bias")
     if bias is None or not isinstance(attn_mask, bias.CausalBias):
         return None
@@ -220,8 +205,7 @@ def _causal_bias(attn_mask: object) -> tuple[int, int, bool] | None:
 
 
 def _check_mask(mask: object, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
-    """attn_mask as 4 dims broadcastable to (B, Hq, Tq, Tk) (size-1 dims kept, not expanded, where the
-    leading dims need no merging)."""
+    """attn_mask as 4 dims broadcastable to (B, Hq, Tq, Tk), size-1 dims kept where no merging needs them."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be None, a torch.Tensor or a CausalBias, got {type(mask).__name__}")
     if mask.dtype != torch.bool and mask.dtype not in (q.dtype, torch.float32):
@@ -255,9 +239,8 @@ def _check_mask(mask: object, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
 def op_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: object = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False, window_size: object = None) -> OpArguments:
-    """flash_attention's arguments, checked, as the problem its ops compute (query (..., Hq, Tq, d), key
-    and value (..., Hkv, Tk, d); 3-D inputs (H, T, d) are a batch of one). Draws the dropout's (seed,
-    offset) from the default generator of the inputs' device when dropout_p > 0."""
+    """flash_attention's arguments, checked, as the problem its ops compute (3-D inputs: a batch of one);
+    draws the dropout's (seed, offset) when dropout_p > 0."""
     names = ("query", "key", "value")
     for name, t in zip(names, (query, key, value), strict=True):
         _check_tensor(name, t, 3, "(..., T, d)")
@@ -314,12 +297,9 @@ def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str, max_na
     if torch.compiler.is_compiling() or cu.device.type == "meta" or (
             cu.is_cuda and torch.cuda.is_current_stream_capturing()):  # fmt: skip
         return  # the values are data: the ops check them where they run (check_packed_rows)
-    # Reading a CUDA tensor's values waits for the GPU: every call of a model's layers would stall the
-    # stream, at a cost beyond the kernels' own time. So here,
-    # where a wrong value gets its clearest error, a CUDA tensor's values are read once for each pair of
-    # sizes it is checked against, and again once it has changed (its version counter); the ops check
-    # them on every call all the same, on the GPU (check_packed_rows), a change that bumps no version
-    # (``cu.data[1] = 20``, a reused buffer) included. A CPU tensor's are read on every call.
+    # Reading a CUDA tensor's values waits for the GPU, which every layer's call would pay: here, where a
+    # wrong value gets its clearest error, they are read once per sizes checked and version, and the ops
+    # check them on the GPU on every call (check_packed_rows). A CPU tensor's are read on every call.
     key = (id(cu), total, max_seqlen)
     entry = _CHECKED_CU_SEQLENS.get(key)
     if cu.is_cuda and entry is not None and entry[0]() is cu and entry[1] == cu._version:
@@ -342,9 +322,7 @@ def _check_cu_seqlens_values(name: str, values: list[int], total: int, total_nam
         raise ValueError(f"{max_name}={max_seqlen} is below the longest sequence in {name}, {max(lengths)}")
 
 
-# CUDA cu_seqlens tensors whose values passed _check_cu_seqlens, by (id(), total, max_seqlen): a weak
-# reference to the tensor and its version counter then. A few batches' worth: a model's layers share one
-# batch's.
+# CUDA cu_seqlens whose values passed, by (id(), total, max_seqlen): a weak reference and the version then.
 _CHECKED_CU_SEQLENS: dict[tuple[int, int, int], tuple[weakref.ref, int]] = {}
 _MAX_CHECKED = 64
 
@@ -356,11 +334,9 @@ def cu_seqlens_values(cu: torch.Tensor) -> list[int]:
 
 def check_packed_rows(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> None:  # fmt: skip
-    """The ops' check of packed sequences' bounds, on every call (compiled, captured, or with values that
-    changed since varlen_op_arguments saw them), before any kernel indexes rows by them: each cu_seqlens
-    starts at 0, is non-decreasing, ends at its tensor's rows, and holds no sequence longer than its
-    max_seqlen. On the host for CPU tensors (a ValueError); elsewhere on the device, with no wait for it
-    (_launcher.assert_async)."""
+    """The ops' check of packed sequences' bounds on every call, before a kernel indexes rows by them: each
+    cu_seqlens starts at 0, does not decrease, ends at its tensor's rows, and holds no sequence above its
+    max_seqlen. On the host for CPU tensors, elsewhere on the device with no wait (_launcher.assert_async)."""
     for name, cu, x, total_name, max_name, max_seqlen in (
         ("cu_seqlens_q", cu_seqlens_q, q, "q", "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, k, "k", "max_seqlen_k", max_seqlen_k),
@@ -376,8 +352,7 @@ def check_packed_rows(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tens
 
 
 def packed_rows_valid(cu: torch.Tensor, total: int, max_seqlen: int) -> torch.Tensor:
-    """Whether cu starts at 0, is non-decreasing, ends at total and holds no length above max_seqlen: a
-    bool tensor on cu's device, computed there without reading cu on the host."""
+    """Whether cu is valid (check_packed_rows), as a bool tensor computed on cu's device."""
     lengths = cu.diff()
     valid = (cu[0] == 0) & (cu[-1] == total) & (lengths.amin() >= 0)
     return valid & (lengths.amax() <= max_seqlen)
@@ -387,8 +362,7 @@ def varlen_op_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                         window_size: object = None, enable_gqa: bool = False) -> OpArguments:
-    """flash_attention_varlen's arguments, checked (flash-attn's packed layout: sequence b is rows
-    cu_seqlens[b]:cu_seqlens[b + 1] of q, k and v; its queries attend to its keys only)."""
+    """flash_attention_varlen's arguments, checked (sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1])."""
     names = ("q", "k", "v")
     for name, t in zip(names, (q, k, v), strict=True):
         _check_tensor(name, t, 3, "(total, heads, d)")

@@ -1,10 +1,7 @@
-"""Launchers of the feature kernels (_feature_kernels): the Triton path of every problem the tuned kernels
-do not take (bands other than top-left causal, masks, dropout, packed sequences, each also with
-grouped-query attention). Same arguments and results as torch_impl.attention_forward and
-attention_backward; the backward is deterministic (no atomics).
-
-Triton is imported on first use. Tile shapes follow the head dim and dtype (no tuning: these launches
-are plain JIT calls, safe under CUDA graph capture after a first call).
+"""The feature Triton backend: launchers of _feature_kernels, for every problem the tuned kernels do not take
+(masks, bands other than top-left, dropout, packed sequences, each with grouped-query attention). torch_impl's
+arguments and results; a deterministic backward (no atomics). Tiles follow the head dim and dtype: no tuning,
+plain JIT calls, safe under CUDA graph capture after a first call.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from flashattn_triton._validation import UNBOUNDED
 
 
 class Blocks(NamedTuple):
-    """A launch's tiles: block_m query rows by block_n keys (for dK/dV: block_n keys owned, stepping
-    block_m query rows; for dQ and the forward: block_m rows owned, stepping block_n keys)."""
+    """A launch's tiles: block_m query rows by block_n keys."""
 
     block_m: int
     block_n: int
@@ -41,15 +37,13 @@ SMALLEST = Blocks(32, 32, 4, 1)  # where a launch runs out of shared memory
 
 
 def _blocks(block_d: int, dtype: torch.dtype, device: torch.device) -> Launches:
-    """Tile shapes that compile for sm_90 without register spills (Triton's sm_90 compiler, every feature
-    on: both window bounds, a float mask, dropout): 8 warps, the program's own rows long where the
-    registers allow. Tiny ones for the interpreter, whose cost grows with the tiles' product."""
+    """Tiles that compile for sm_90 without register spills with every feature on; tiny ones for the
+    interpreter, whose cost grows with the tiles' product."""
     if device.type != "cuda":
         tiny = Blocks(16, 16, 1, 1)
         return Launches(tiny, tiny, tiny)
     if dtype == torch.float32 or block_d > 128:
-        # 4 warps: dQ's 64 x 16 tiles on 8 warps, with tf32x3 products, wrote outside shared memory
-        # (compute-sanitizer, H100, Triton 3.6); these tiles passed every feature there.
+        # 4 warps: dQ's 64 x 16 tiles on 8 warps with tf32x3 wrote outside shared memory (Triton 3.6).
         tiles = Blocks(64, 32, 4, 2)
         return Launches(tiles, tiles, tiles)
     if block_d <= 64:
@@ -71,14 +65,12 @@ def _launch(kernel: Any, grid: Callable[[Blocks], tuple[int, int]], blocks: Bloc
 
 
 def _unit_last(x: torch.Tensor | None) -> torch.Tensor | None:
-    """x with unit stride along its last dim (the kernels' pointers step rows by stride, columns by 1, and
-    index a cu_seqlens by sequence); None for None."""
+    """x with unit stride along its last dim, as the kernels index it; None for None."""
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
 def _strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(z, h, t) strides of a (B, H, T, d) tensor or L (B, H, T), or of a packed (total, H, d) one or L
-    (total, H) (z: 0)."""
+    """(z, h, t) strides of (B, H, T, ...) x, or of packed (total, H, ...) x (z: 0)."""
     if varlen:
         return 0, x.stride(1), x.stride(0)
     return x.stride(0), x.stride(1), x.stride(2)
@@ -165,8 +157,7 @@ def feature_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
                      cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                      max_seqlen_q: int = 0, max_seqlen_k: int = 0, grad_lse: torch.Tensor | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """torch_impl.attention_backward's (dQ, dK, dV), from _feature_kernels.attn_bwd_dkdv then attn_bwd_dq:
-    no atomics, so bitwise repeatable."""
+    """torch_impl.attention_backward's (dQ, dK, dV), from attn_bwd_dkdv then attn_bwd_dq (deterministic)."""
     q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k = (_unit_last(t) for t in (q, k, v, grad_out, cu_seqlens_q,
                                                                              cu_seqlens_k))  # fmt: skip
     p = _problem(q, k, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,

@@ -14,20 +14,16 @@ __all__ = ["Explained", "explain", "flash_attention", "flash_attention_varlen", 
 
 
 def _autocast_available(device_type: str) -> bool:
-    """Whether ``device_type`` has autocast (meta tensors do not). Dynamo skips
-    ``torch.amp.is_autocast_available`` and would break the graph there (torch 2.11): while compiling,
-    every device type but meta counts as having it (a compile runs on the devices autocast serves). Not
-    ``torch.compiler.assume_constant_result``: it imports torch._dynamo, which took seconds of a process's
-    first call."""
+    """Whether ``device_type`` has autocast (meta does not). While compiling every device type but meta counts
+    as having it: Dynamo skips ``torch.amp.is_autocast_available`` and would break the graph (torch 2.11)."""
     if torch.compiler.is_compiling():
         return device_type != "meta"
     return torch.amp.is_autocast_available(device_type)
 
 
 def _autocast_inputs(tensors: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]] | None:
-    """Where torch.autocast is on for the first tensor's device: (that device type, the tensors with the
-    floating ones cast to the autocast dtype), for the caller to run on with autocast off, as SDPA casts
-    its inputs first. None where autocast is off."""
+    """Where autocast is on for the first tensor's device: (that device type, the tensors with the floating
+    ones cast to the autocast dtype), for the caller to run with autocast off, as SDPA does; else None."""
     device_type = tensors[0].device.type if isinstance(tensors[0], torch.Tensor) else "cpu"
     if not (_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return None
@@ -70,11 +66,10 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                            window_size: tuple[int, int] | None = None,
                            enable_gqa: bool = False) -> torch.Tensor:  # fmt: skip
-    """Attention over packed sequences of different lengths, in flash-attn's layout: q (total_q, Hq, d),
-    k and v (total_k, Hkv, d), sequence b being rows cu_seqlens[b]:cu_seqlens[b + 1] (cu_seqlens_q/_k:
-    int32, (batch + 1,), cumulative lengths from 0; max_seqlen_q/_k: the longest). Returns (total_q, Hq,
-    d), each sequence's rows equal to flash_attention of that sequence alone (is_causal and window_size
-    aligned top-left within it). Through the same custom ops as flash_attention, with no padding."""
+    """Attention over packed sequences in flash-attn's layout: q (total_q, Hq, d), k and v (total_k, Hkv, d),
+    sequence b the rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, (batch + 1,), from 0; max_seqlen_q/_k the
+    longest). Returns (total_q, Hq, d), each sequence's rows those of flash_attention of it alone (is_causal
+    and window_size top-left within it), with no padding."""
     autocast = _autocast_inputs((q, k, v))
     if autocast is not None:
         device_type, (q, k, v) = autocast
@@ -103,12 +98,11 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
             dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
             enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None, grad: bool | None = None,
             device_capability: tuple[int, int] | None = None) -> Explained:
-    """Which backend and config flash_attention(query, key, value, ...) (the same arguments) would run, eager
-    or compiled, and for each faster backend why not: the dispatch table's answer (_dispatch), computing
-    nothing. grad: whether to explain the backward too (default: whether an input requires grad).
-    device_capability: explain for a described CUDA device of this capability (e.g. (9, 0) for an
-    H100/H200 with Triton and Gluon) instead of the inputs' device: tensors on any device (CPU, meta) then
-    stand for the inputs of that shape and strides."""
+    """Which backend and config flash_attention with the same arguments would run, eager or compiled, and why
+    not each faster backend: the dispatch table's answer, computing nothing. grad: explain the backward too
+    (default: whether an input requires grad). device_capability: explain for a CUDA device of this capability
+    (e.g. (9, 0): an H100/H200 with Triton and Gluon), the tensors (CPU, meta) standing for inputs of their
+    shapes and strides."""
     args = op_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window_size)
     dropout = check_dropout(dropout_p) > 0.0
     if grad is None:
@@ -153,8 +147,8 @@ def tune(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
          enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None) -> Explained:
     """Tune the configs of flash_attention(query, key, value, ...)'s problem class on this machine now,
-    forward and backward (every candidate timed on the GPU, a few seconds each), and keep the choices on
-    disk for later processes (_tuning); returns explain()'s answer after. Calls never tune on their own."""
+    forward and backward (every candidate timed on the GPU), and keep the choices on disk (_tuning); returns
+    explain()'s answer after. Calls never tune on their own."""
     leaves = [t.detach().clone().requires_grad_() for t in (query, key, value)]
     _tuning._requested = True
     try:

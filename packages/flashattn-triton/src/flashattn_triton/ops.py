@@ -1,65 +1,42 @@
-"""The attention operators: ``torch.ops.flashattn_triton.attn_fwd`` and ``attn_bwd``.
+"""The attention operators ``torch.ops.flashattn_triton.attn_fwd`` and ``attn_bwd``: fake (meta)
+implementations with symbolic shapes let ``torch.compile(fullgraph=True)``, dynamic shapes, ``torch.export``
+and meta tensors see through them, and ``register_autograd`` ties them together. They are opaque custom
+ops, not ``triton_op``s: their kernels run through a plan tuned at run time, Gluon kernels and direct C
+launches (``triton_impl``, ``_launcher``), which Inductor cannot trace; it schedules them as extern kernels.
 
-They make flash_attention a first-class torch operator: fake (meta) implementations with symbolic shapes
-let ``torch.compile(fullgraph=True)``, dynamic shapes, ``torch.export`` and meta tensors see through them,
-and ``register_autograd`` ties the two together. On CUDA (and on CPU under ``TRITON_INTERPRET=1``) they
-run the Triton kernels, elsewhere the PyTorch path (torch_impl).
-
-They are opaque custom ops rather than ``torch.library.triton_op``s: the kernels are launched through a
-plan chosen and tuned at run time (``triton_impl.Plan.run``), the Hopper kernels are Gluon, and the launcher
-calls Triton's C launch function directly (``_launcher``); none of that is a plain ``kernel[grid](...)``
-call that Inductor could trace through ``wrap_triton``. Inductor schedules the ops as extern kernels.
-
-The contract (issue 20's features are argued here, so that their implementations change no schema)
------------------------------------------------------------------------------------------------------
+The contract
+------------
 ``attn_fwd(q, k, v, attn_mask, dropout_p, rng_state, scale, window_left, window_right, diagonal_offset,
 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> (out, lse)``
 
-- ``q (B, Hq, Tq, d)``, ``k, v (B, Hkv, Tk, d)``, one dtype (float16, bfloat16, float32) and device,
-  any strides. ``Hq != Hkv`` is grouped-query attention: ``Hq % Hkv == 0`` and query head ``h`` reads K/V
-  head ``h // (Hq // Hkv)``.
-- Packed sequences (varlen): with ``cu_seqlens_q`` and ``cu_seqlens_k`` (int32, ``(batch + 1,)``,
-  cumulative lengths from 0) q is ``(total_q, Hq, d)`` and k, v ``(total_k, Hkv, d)``; sequence ``b`` is
-  rows ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``max_seqlen_q/k`` bound the lengths (0 when not packed).
-- ``attn_mask``: None, a bool tensor (True = may attend) or a float tensor added to the scaled scores,
-  broadcastable to ``(B, Hq, Tq, Tk)``. It gets no gradient.
-- ``dropout_p`` in [0, 1]: attention probabilities dropped as SDPA does, p rounded to a multiple of
-  1/256 (_dropout). ``rng_state``: int64 ``(2,)`` on q's device, (Philox seed, offset), drawn by
-  flash_attention from the device's default generator; None when ``dropout_p == 0``. The backward
-  regenerates the same mask from it.
-- ``scale``: the softmax scale (flash_attention resolves None to 1/sqrt(d)).
+- ``q (B, Hq, Tq, d)``, ``k, v (B, Hkv, Tk, d)``: one dtype (float16, bfloat16, float32) and device, any
+  strides; ``Hq % Hkv == 0``, query head ``h`` reading K/V head ``h // (Hq // Hkv)``.
+- Packed sequences: with ``cu_seqlens_q/k`` (int32, ``(batch + 1,)``, cumulative from 0) q is
+  ``(total_q, Hq, d)`` and k, v ``(total_k, Hkv, d)``, sequence ``b`` the rows
+  ``cu_seqlens[b]:cu_seqlens[b + 1]``; ``max_seqlen_q/k`` bound the lengths (0 when not packed).
+- ``attn_mask``: None, bool (True = may attend) or float (added to the scaled scores), broadcastable to
+  ``(B, Hq, Tq, Tk)``; it gets no gradient.
+- ``dropout_p`` in [0, 1], p rounded to a multiple of 1/256 (_dropout); ``rng_state``: int64 ``(2,)``
+  (Philox seed, offset) on q's device, None without dropout; the backward regenerates the mask from it.
 - Band: query ``i`` sees key ``j`` iff ``i + diagonal_offset - window_left <= j <= i + diagonal_offset +
-  window_right``, a bound of -1 being unbounded. ``is_causal`` is ``window_right = 0``; offset 0 aligns
-  the diagonal top-left (SDPA's ``is_causal``, ``CausalBias.causal_upper_left``), ``Tk - Tq``
-  bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse -inf; a
-  NaN or +inf among the scores a row sees makes its out and lse NaN, as SDPA's math backend does (a score
-  that a bool mask, the causal mask or a window removes is not read, where SDPA's math backend adds -inf
-  to it, which keeps a NaN).
-- ``out`` is shaped and typed like q and laid out as SDPA lays it out (``_inputs.output_like``): dense, in
-  q's order of dims in memory (d innermost), so q's strides where q is dense, and (B, T, H, d) memory for
-  the ``view(B, T, H, d).transpose(1, 2)`` of a projection (fused or not), whose transpose back to (B, T,
-  H * d) is then a view; ``lse`` float32, contiguous, of shape
-  ``q.shape[:-1]``: the log-sum-exp of each row's (masked) scaled scores.
+  window_right``, -1 unbounded. ``is_causal`` is ``window_right = 0``; offset 0 is top-left (SDPA),
+  ``Tk - Tq`` bottom-right (flash-attn, ``causal_lower_right``). A row that sees no key gets out 0 and lse
+  -inf; a NaN or +inf among the scores a row sees makes its out and lse NaN (scores a bool mask, the
+  causal mask or a window removes are not read).
+- ``out``: like q, laid out as SDPA lays it out (``_inputs.output_like``); ``lse``: float32, contiguous,
+  ``q.shape[:-1]``, each row's log-sum-exp of its (masked) scaled scores.
 
 ``attn_bwd(grad_out, grad_lse, q, k, v, out, lse, <attn_fwd's arguments after v>, deterministic)
--> (dq, dk, dv)``: shaped like q, k, v, each in its input's layout by the same rule. ``grad_lse``
-(optional) is the gradient of lse, for callers who use it. ``deterministic``: bitwise repeatable
-gradients (no atomics), set from ``torch.are_deterministic_algorithms_enabled()``.
+-> (dq, dk, dv)``, each in its input's layout. ``grad_lse`` (optional): the gradient of lse.
+``deterministic``: bitwise repeatable gradients, from ``torch.are_deterministic_algorithms_enabled()``.
 
-Every argument is supported on every path. Which path runs a call (the Gluon kernels for Hopper, the tuned
-Triton kernels, the feature kernels or the PyTorch path) is the dispatch table's answer (_dispatch), from
-the description of the call that ``_route`` makes; a mask that only encodes a band runs as that band
-(_masks).
-
-Eager calls on CUDA skip the dispatcher (``eager_attention``): the same implementations under a plain
-``torch.autograd.Function``. Through the dispatcher, ``register_autograd``'s wrapper (its
-``fill_defaults``, the redispatch) and a second op for the backward cost host time several times a small
-problem's kernel time. Compiled,
-exported, fake and meta calls, and calls under a dispatch mode, go through the ops; calls under a
-``torch.func`` transform or forward-mode AD through ``_TransformedAttention``, an autograd.Function around
-them that the transforms take. Where a graph of the gradients is built (``create_graph=True``, and every
-``torch.func`` transform) the gradients come from ``_GradientsOnce``, which refuses to be differentiated
-again; forward-mode AD raises NotImplementedError, as SDPA's flash backend does.
+Every argument is supported on every backend; the dispatch table (_dispatch) picks the backend from the
+description ``_route`` makes, a mask that only encodes a band running as that band (_masks). Eager calls
+on CUDA skip the dispatcher (``eager_attention``: its wrapper and a second op cost a small problem's
+kernel time several times over) through ``_EagerAttention``; calls under a ``torch.func`` transform or
+forward-mode AD go through ``_TransformedAttention``. Where a graph of the gradients is built the
+gradients come from ``_GradientsOnce``, which refuses a second differentiation; forward-mode AD raises
+NotImplementedError, as SDPA's flash backend does.
 """
 
 from __future__ import annotations
@@ -87,12 +64,10 @@ _LIBRARY = torch.library.Library("flashattn_triton", "FRAGMENT")  # as custom_op
 
 
 def _operator(name: str, implementation: Callable, fake: Callable) -> torch._ops.OpOverload:
-    """torch.ops.flashattn_triton.<name>, with implementation's signature
-    (torch.library.infer_schema), fake as its fake (meta) implementation and implementation on every
-    device. What torch.library.custom_op registers, less the torch._disable_dynamo it wraps each
-    implementation in: that wrapper's first call imports torch._dynamo (sympy, torch.fx's symbolic
-    shapes...), which took seconds of a process's first flash_attention call. (The fake comes first:
-    it is the Meta kernel only where no kernel serves Meta yet.)"""
+    """torch.ops.flashattn_triton.<name> with implementation's schema, fake as its fake (meta) implementation
+    and implementation on every device: what torch.library.custom_op registers, less its torch._disable_dynamo
+    wrapper, whose first call imports torch._dynamo (seconds of a first call). (The fake first: it is the Meta
+    kernel only where none serves Meta yet.)"""
     _LIBRARY.define(name + torch.library.infer_schema(implementation, mutates_args=()))
     torch.library.register_fake(f"flashattn_triton::{name}", fake, lib=_LIBRARY)
     _LIBRARY.impl(name, implementation, "CompositeExplicitAutograd")
@@ -117,8 +92,8 @@ def recognise_mask(q: Tensor, k: Tensor, options: dict[str, Any]) -> dict[str, A
 
 def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
            deterministic: bool = False) -> str:  # fmt: skip
-    """The backend (_dispatch) of a pass over tensors (q, k, v[, out, dO]), from its Description, which is
-    worked out once per layout and options."""
+    """The backend of a pass over tensors (q, k, v[, out, dO]), its Description worked out once per layout and
+    options."""
     q, k = tensors[0], tensors[1]
     mask, cu_seqlens = options["attn_mask"], options["cu_seqlens_q"]
     window = (options["window_left"], options["window_right"])
@@ -143,8 +118,8 @@ def _route(pass_name: str, tensors: tuple[Tensor, ...], options: dict[str, Any],
 
 
 def tuned_window(options: dict[str, Any]) -> tuple[int, int] | None:
-    """The tuned kernels' window of a "tuned" problem: (window_left, window_right) where they make a band,
-    None where the problem is plain or causal (window_right = 0 is the causal flag they get)."""
+    """The tuned kernels' window: (window_left, window_right) where they make a band, None where the problem
+    is plain or causal."""
     left, right = options["window_left"], options["window_right"]
     return (left, right) if left != UNBOUNDED or right > 0 else None
 
@@ -166,8 +141,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                       rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
                       diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
                       max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(out, lse) of attention, as the module docstring says: the Triton kernels where uses_triton (the tuned
-    ones where they apply, else the feature kernels), else the PyTorch path."""
+    """(out, lse) of attention (the module docstring's contract), on the backend the dispatch table names."""
     options = {"attn_mask": attn_mask, "dropout_p": dropout_p, "rng_state": rng_state, "scale": scale,
                "window_left": window_left, "window_right": window_right, "diagonal_offset": diagonal_offset,
                "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
@@ -244,8 +218,8 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> No
 
 
 def _gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None, backward: Callable) -> tuple:
-    """The gradients of attn_fwd's inputs from what _setup_context saved, by backward (the attn_bwd op, or
-    attention_backward itself)."""
+    """The gradients of attn_fwd's inputs from what _setup_context saved, by backward (attn_bwd, or
+    attention_backward)."""
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     options = list(ctx.options)
     for i, tensor in zip(ctx.tensor_options, tensors, strict=True):
@@ -266,11 +240,9 @@ def _no_forward_derivative(ctx: Any, *tangents: Any) -> None:
 
 
 class _GradientsOnce(torch.autograd.Function):
-    """attn_bwd where a graph of the gradients is built (create_graph=True, and torch.func's transforms,
-    which always build one): the gradients join the graph, and differentiating them again raises, for the
-    kernels have no derivative. attn_bwd alone has no autograd and would count as a constant (second
-    derivatives off by their whole size, with no error); once_differentiable refuses them in plain autograd
-    only (torch.func.grad of grad gave 0)."""
+    """attn_bwd where a graph of the gradients is built (create_graph=True, torch.func's transforms): the
+    gradients join the graph and differentiating them again raises. attn_bwd alone would count as a constant
+    (second derivatives silently wrong), and once_differentiable refuses them in plain autograd only."""
 
     generate_vmap_rule = True
     jvp = staticmethod(_no_forward_derivative)
@@ -333,10 +305,9 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _TransformedAttention(torch.autograd.Function):
-    """attn_fwd and its autograd for torch.func's transforms (grad, vjp, jacrev, vmap) and forward-mode
-    AD, which the op's own autograd (register_autograd's) does not serve: the transforms refuse it (it
-    "must override the setup_context staticmethod") and forward-mode AD passed it by (zero tangents).
-    vmap runs the op per sample (its batching fallback); forward-mode AD raises."""
+    """attn_fwd and its autograd for torch.func's transforms and forward-mode AD, which register_autograd's
+    does not serve (the transforms refuse it; forward-mode AD passed it by with zero tangents). vmap runs the
+    op per sample; forward-mode AD raises."""
 
     generate_vmap_rule = True
     setup_context = staticmethod(_setup_context)
@@ -349,8 +320,8 @@ class _TransformedAttention(torch.autograd.Function):
 
 
 def eager_attention(*inputs: Any) -> tuple[Tensor, Tensor]:
-    """attn_fwd(*inputs) with its autograd: through the op, where _plain_eager without the dispatcher,
-    under a torch.func transform or forward-mode AD through _TransformedAttention."""
+    """attn_fwd(*inputs) with its autograd: without the dispatcher where plain_eager, through
+    _TransformedAttention under a transform or forward-mode AD, else through the op."""
     if _launcher.transformed():
         return _TransformedAttention.apply(*inputs)
     if _launcher.plain_eager(inputs[0]):

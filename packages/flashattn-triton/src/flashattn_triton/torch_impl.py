@@ -1,30 +1,16 @@
-"""FlashAttention-2 in plain PyTorch, every feature of flash_attention on any device: the reference
-semantics that the kernels match.
+"""The PyTorch backend: FlashAttention-2 in plain PyTorch, every feature of flash_attention on any device, the
+reference semantics the kernels match (the problem: ops' contract), and the naive reference_attention the
+tests compare with.
 
-The problem (see _validation): q (B, Hq, Tq, d), k and v (B, Hkv, Tk, d); query head h reads K/V head
-h // G with G = Hq // Hkv (q is viewed as (B, Hkv, G, Tq, d), K and V broadcast over G: never repeated);
-an optional bool or float mask broadcastable to (B, Hq, Tq, Tk); a band (query i sees key j iff
-i + offset - left <= j <= i + offset + right, -1 unbounded); dropout from a counter-based generator
-(_dropout), its mask regenerated tile by tile in the backward.
+Forward: one pass over key tiles of TILE_K keys, the rows the band lets see a tile updating their running max,
+sum and output in float32: never Tq x Tk scores at once. K and V broadcast over a group's query heads, never
+repeated. Backward: one pass over the key tiles, P recomputed from L, D = rowsum(dO * O), dQ accumulated in
+float32, each tile's dK and dV summed over its group. The products that feed an exponential or a difference (Q
+K^T, dO V^T) are taken in float32, the others in the input dtype, as the kernels take them.
 
-Forward: one pass over the key tiles of TILE_K keys; for each, the query rows that the band lets see it
-update their running max, running sum and output accumulator, all in float32. No more than Tq x TILE_K
-scores a head exist at a time, never Tq x Tk. A row that sees no key (its scores all masked or -inf) gets
-O = 0 and L = -inf; a NaN or +inf among a row's scores makes its O and L NaN, as in SDPA (scores that a bool
-mask, the causal mask or a window removes are never read).
-
-Backward: one pass over the key tiles; P is recomputed from L, D = rowsum(dO * O) (dropout included:
-rowsum(dO * O) is still rowsum(P * dP)), dQ is accumulated in float32, and each key tile's dK, dV are
-summed over the query heads of its group.
-
-Precision: the products that feed an exponential or a difference (the scores Q K^T and dP = dO V^T)
-are taken in float32, as the kernels' float32 accumulators keep them; P V, dS K, dS^T Q and P^T dO take
-their operands in the input dtype, as the kernels do.
-
-The per-key-tile step of the backward is compiled with ``torch.compile`` on CUDA (it fuses the
-exponentials and masks between the matrix products). On CPU it runs eagerly: compiling there needs a
-C++ toolchain and costs more time than the small CPU problems it would speed up. If compiling fails
-for any reason the step falls back to eager once, with a warning, and stays eager.
+The backward's key-tile step is compiled with torch.compile on CUDA (it fuses the exponentials and masks); on
+CPU it runs eagerly (compiling needs a C++ toolchain and costs more than the small problems gain). A failed
+compile falls back to eager once, with a warning.
 """
 
 from __future__ import annotations
@@ -44,8 +30,7 @@ TILE_K = 64
 
 
 class _Problem:
-    """One call's tensors in the grouped layout, and what each key tile needs: the query rows that may
-    see it, and its band, mask and dropout tiles."""
+    """One call's tensors in the grouped layout, and each key tile's query rows, band, mask and dropout."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, band: Band,
                  dropout: Dropout | None) -> None:  # fmt: skip
@@ -84,8 +69,7 @@ class _Problem:
         return range(first, max(first, last))
 
     def visible(self, rows: range, cols: range) -> torch.Tensor | None:
-        """Which of the tile's scores the band and a bool mask keep (broadcastable to (B, Hkv, G, R, C)),
-        or None where they keep all."""
+        """Which of the tile's scores the band and a bool mask keep, or None where they keep all."""
         band, device = self.band, self.device
         keep = None
         if band.bounded:
@@ -116,8 +100,7 @@ class _Problem:
         return mask
 
     def dropout_scale(self, rows: range, cols: range) -> torch.Tensor | None:
-        """_dropout.kept_scale(p) where kept, 0 where dropped, (B, Hkv, G, R, C) float32; None without
-        dropout."""
+        """kept_scale(p) where kept, 0 where dropped, (B, Hkv, G, R, C) float32; None without dropout."""
         if self.dropout is None:
             return None
         tile = self.dropout.scale_tile(self.grouped[0], self.heads, rows, cols)
@@ -150,9 +133,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                       cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                       max_seqlen_q: int = 0, max_seqlen_k: int = 0,
                       tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O (B, Hq, Tq, d) contiguous, L float32 (B, Hq, Tq)) of the problem in _validation's terms (the
-    ops' contract). rng_state: _dropout.draw_rng's (seed, offset), needed when dropout_p > 0. With
-    cu_seqlens_q and cu_seqlens_k, q (total_q, Hq, d), k and v (total_k, Hkv, d) hold packed sequences
+    """(O (B, Hq, Tq, d), L float32 (B, Hq, Tq)) of the ops' problem; with cu_seqlens, of packed sequences
     (varlen_forward)."""
     band = Band(window_left, window_right, diagonal_offset)
     if cu_seqlens_q is not None:
@@ -193,9 +174,8 @@ def _forward(problem: _Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         pv = (p.to(v.dtype) @ v[..., c, :]).to(torch.float32)
         acc[..., r, :] = acc[..., r, :] * alpha.unsqueeze(-1) + pv
         row_max[..., r] = m_new
-    # A row that saw no key (every score masked or -inf) keeps m = -inf and gets 0, as SDPA's softmax
-    # gives it; any other row is divided out, so that a NaN or +inf among its scores makes it NaN as it
-    # does SDPA's (a test on row_sum > 0 would read a NaN sum as "no key" and give 0).
+    # A row that saw no key keeps m = -inf and gets 0, as from SDPA; any other is divided out, so that a NaN
+    # among its scores makes it NaN as in SDPA (a test on row_sum > 0 would read a NaN sum as "no key").
     seen = row_max != float("-inf")
     out = torch.where(seen.unsqueeze(-1), acc / row_sum.unsqueeze(-1), 0.0).to(q.dtype)
     lse = torch.where(seen, row_max + torch.log(row_sum), float("-inf"))
@@ -207,12 +187,9 @@ def _backward_key_tile(q: torch.Tensor, q32: torch.Tensor, k_tile: torch.Tensor,
                        delta: torch.Tensor, scale: float, visible: torch.Tensor | None,
                        bias: torch.Tensor | None, dropout: torch.Tensor | None,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Gradient pieces from one key tile: (dQ of the rows in float32, dK tile, dV tile).
-
-    q (q32 its float32 copy), grad_out (grad_out32), lse (+inf for rows that see no key) and delta hold
-    the query rows that can see the tile, grouped (B, Hkv, G, R, ...); k_tile and v_tile (B, Hkv, 1, C, d);
-    visible, bias, dropout: the tile's kept scores, float mask and dropout scale, or None.
-    """
+    """One key tile's (dQ of its rows in float32, dK, dV): q, grad_out (and their float32 copies), lse (+inf
+    where a row sees no key) and delta hold the rows that see the tile, grouped (B, Hkv, G, R, ...); k_tile
+    and v_tile are (B, Hkv, 1, C, d); visible, bias, dropout: the tile's, or None."""
     scores = (q32 @ k_tile.transpose(-1, -2).to(torch.float32)) * scale
     if bias is not None:
         scores = scores + bias
@@ -265,9 +242,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
                        max_seqlen_q: int = 0, max_seqlen_k: int = 0, grad_lse: torch.Tensor | None = None,
                        tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dQ, dK, dV) of attention_forward's problem, from its O and L (and the same rng_state), recomputing
-    P tile by tile with D = rowsum(dO * O). grad_lse, the gradient of L where the caller used L, adds P dL
-    to dS = P (dP - D): it is subtracted from D. No gradient flows to attn_mask."""
+    """(dQ, dK, dV) of attention_forward's problem from its O and L, P recomputed tile by tile; grad_lse (dS =
+    P (dP - D + dL)) is subtracted from D. The mask gets no gradient."""
     band = Band(window_left, window_right, diagonal_offset)
     if cu_seqlens_q is not None:
         return varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_k,
@@ -319,8 +295,7 @@ def _sequence(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
 def _varlen_problem(q: torch.Tensor, k: torch.Tensor, sequence: tuple[int, int, int, int], band: Band,
                     dropout_p: float, rng_state: torch.Tensor | None,
                     max_seqlen_k: int) -> _Problem:  # fmt: skip
-    """One sequence's problem. Its dropout counters are those of a (1, Hq, total_q, max_seqlen_k) problem
-    (Dropout.packed): of query head h, packed row r and key j."""
+    """One sequence's problem, its dropout counters those of Dropout.packed."""
     q_start, q_end, k_start, k_end = sequence
     q_seq, k_seq = _sequence(q, q_start, q_end), _sequence(k, k_start, k_end)
     dropout = None
@@ -334,8 +309,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, dropout_p: float,
                    rng_state: torch.Tensor | None, scale: float, band: Band,
                    tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O (total_q, Hq, d), L float32 (total_q, Hq)) of packed sequences: each sequence's queries attend
-    to its keys as attention_forward of that sequence alone would."""
+    """(O (total_q, Hq, d), L (total_q, Hq)) of packed sequences, each as attention_forward of it alone."""
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for sequence in _sequences(cu_seqlens_q, cu_seqlens_k):
@@ -377,8 +351,7 @@ def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float,
                   tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O, L) of the assignment's problem: q (..., Tq, d), k and v (..., Tk, d) with q's leading dims,
-    top-left causal masking; L float32 of shape q.shape[:-1]."""
+    """(O, L) of the Functions' problem: q (..., Tq, d), k and v (..., Tk, d), top-left causal."""
     out, lse = attention_forward(as_4d(q), as_4d(k), as_4d(v), scale=scale,
                                  window_right=0 if is_causal else UNBOUNDED, tile_k=tile_k)  # fmt: skip
     return out.view(q.shape), lse.view(q.shape[:-1])
@@ -396,11 +369,8 @@ def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 
 class FlashAttentionTorch(AttentionFunction):
-    """FlashAttention-2 forward and backward in PyTorch (any device): ``FlashAttentionTorch.apply(q, k, v)``.
-
-    q: (..., Tq, d), k and v: (..., Tk, d) with the same leading dims and dtype (float16, bfloat16 or
-    float32). Saves Q, K, V, O and L (float32, shape q.shape[:-1]) for the backward.
-    """
+    """FlashAttention-2 in PyTorch on any device: ``FlashAttentionTorch.apply(q, k, v)``, q (..., Tq, d), k
+    and v (..., Tk, d) with q's leading dims and dtype."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,

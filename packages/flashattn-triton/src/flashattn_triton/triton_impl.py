@@ -1,13 +1,8 @@
-"""FlashAttention-2 with Triton kernels: the plan of each problem layout, its launches, the autograd Function.
-
-Triton is imported on first use, so ``import flashattn_triton`` works without it. The kernels run on
-CUDA tensors; with ``TRITON_INTERPRET=1`` in the environment before they are first used, Triton's
-interpreter runs them on CPU tensors instead (slowly: for testing).
-
-A call's plan (Plan, made on the first call with its layout) holds the candidate configs
-(_configs), the one chosen (_tuning) and its launchers (_launcher); later calls with the same layout
-only build the kernels' arguments, by name, and launch. One forward and one backward serve both
-layouts: (..., T, d) tensors, and packed sequences (Packed).
+"""The tuned Triton backend: the plan of each problem layout (``Plan``, made on its first call: candidate
+configs from _configs, the choice from _tuning, launchers from _launcher), its launches, and the autograd
+Function. Later calls with a layout only build the kernels' arguments and launch. One forward and one backward
+serve (..., T, d) tensors and packed sequences (``Packed``). The kernels run on CUDA, or on CPU tensors in
+Triton's interpreter with ``TRITON_INTERPRET=1`` set before first use.
 """
 
 from __future__ import annotations
@@ -44,9 +39,8 @@ COMBINE_ROWS = 32  # query rows a program of attn_fwd_combine
 
 
 class Packed(NamedTuple):
-    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d) with Hkv dividing Hq, sequence b the
-    rows cu_seqlens[b]:cu_seqlens[b + 1] (int32, checked by the caller: _validation.varlen_op_arguments),
-    max_seqlen_q/_k at least its longest. For the tuned kernels where the dispatch table sends them."""
+    """Packed sequences (flash-attn's varlen layout, checked by _validation.varlen_op_arguments): sequence b
+    the rows cu_seqlens[b]:cu_seqlens[b + 1], max_seqlen_q/_k at least its longest."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
@@ -59,9 +53,8 @@ _NOT_PACKED = {"CuSeqlensQ": None, "CuSeqlensK": None, "VARLEN": False}
 
 def plan_parts(packed: Packed | None) -> tuple[tuple[torch.Tensor, ...], tuple[int, int, int] | None,
                                                dict[str, Any]]:  # fmt: skip
-    """What packed sequences (or None) add to a call's plan: to its tensors (the cu_seqlens, contiguous: the
-    kernels index them by sequence) and its key ((batch, max_seqlen_q, max_seqlen_k), triton_impl._plan's
-    varlen), and to the kernels' arguments."""
+    """What packed sequences (or None) add to a plan: its tensors (the cu_seqlens, contiguous), its key's
+    varlen (batch, max_seqlen_q, max_seqlen_k) and the kernels' arguments."""
     if packed is None:
         return (), None, _NOT_PACKED
     cu_seqlens_q, cu_seqlens_k = packed.cu_seqlens_q.contiguous(), packed.cu_seqlens_k.contiguous()
@@ -74,22 +67,17 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 class GroupSum:
-    """Grouped-query attention's dK and dV of one layout: the backward's gradients of each query head, (Z, H,
-    T, d) views sharing their strides, summed over each group of H / Hkv query heads into (Z, Hkv, T, d)
-    views of any strides (unit along d), both in one launch of _kernels.group_sum. Its grid and every
-    argument but the tensors are worked out once: a plan's key fixes all shapes and strides. tile_rows: the
-    rows of a program's tiles (default: default_rows)."""
+    """Grouped-query attention's dK and dV of one layout: each query head's (Z, H, T, d), summed over each
+    group into (Z, Hkv, T, d) views of any strides (unit along d), both in one launch of _kernels.group_sum
+    whose arguments but the tensors the plan's key fixes."""
 
-    # A program's loads of dK (and as many of dV), all issued before the first add (its group's tiles), and
-    # its tile of the float32 sums: at most 64 KiB of 16-bit loads in flight and 32 KiB of sums, 42 to 112
-    # registers a thread on sm_90 (4 warps), no spills.
+    # A program's dK and dV loads in flight (16-bit elements) and its float32 sums: no spills on sm_90.
     LOADS = 16384
     TILE = 4096
 
     @classmethod
     def default_rows(cls, group: int, block_d: int) -> int:
-        """Rows of a program's tiles: the largest power of two within LOADS and TILE (16 rows at group 8
-        and d = 128, 64 at group 4 and d = 64, 32 at group 2 and d = 128)."""
+        """Rows of a program's tiles: the largest power of two within LOADS and TILE."""
         return 1 << (max(1, min(cls.LOADS // group, cls.TILE) // block_d).bit_length() - 1)
 
     def __init__(self, per_head: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor], block_d: int,
@@ -116,9 +104,9 @@ class GroupSum:
 
 @dataclasses.dataclass
 class Plan:
-    """How one problem layout runs: the descriptor mode, the problem and its candidate configs, the config
-    chosen and its launchers. A forward's plan is made only for inputs that pass check_inputs; its key
-    holds everything those checks read, so the checks are not repeated."""
+    """How one problem layout runs: the descriptor mode, the problem, its candidate configs, the config chosen
+    and its launchers. A forward's plan is made for inputs that passed check_inputs, and its key holds all
+    they read."""
 
     scale: float  # the softmax scale, checked (and defaulted) when the forward's plan was made
     # The host builds the descriptors of inputs and outputs (_inputs.host_descriptors); never for packed
@@ -134,18 +122,14 @@ class Plan:
     splits: dict[tuple[int, bool], _inputs.TF32Split] = dataclasses.field(default_factory=dict)
     group_sum: GroupSum | None = None  # grouped-query attention's sums of dK and dV (the first backward's)
     delta_from_o: bool = False  # the backward computes D = rowsum(dO * O) in its kernel
-    # The kernels' mask and dropout arguments that the key fixes (CAUSAL, the band's, dropout's threshold
-    # and scale): made once, not on every call; a call adds its Rng.
+    # The kernels' mask and dropout arguments, which the key fixes: made once (a call adds its Rng).
     mask_args: dict = dataclasses.field(default_factory=dict)
-    # A forward's plans of the backward, by what their keys add to the forward's: the incoming gradient's
-    # strides and alignment (autograd gives it the output's shape, dtype and device), the precision and
-    # whether the backward is deterministic.
+    # A forward's plans of the backward, by grad_out's strides and alignment, precision and determinism.
     backward_plans: dict = dataclasses.field(default_factory=dict)
 
     def backward_plan(self, grad_out: torch.Tensor, deterministic: bool, make: Callable[[], Plan]) -> Plan:
-        """The plan of this forward's backward, from backward_plans (made by make() the first time): the
-        forward's key already holds q, k and v (and the band, dropout_p and packed sequences), and out and
-        lse follow from it (a small problem's host time notices the lookup of five layouts)."""
+        """The plan of this forward's backward by grad_out's layout, made by make() the first time: the
+        forward's key already fixes q, k, v, out and lse."""
         key = (grad_out.stride(), grad_out.data_ptr() % 16 == 0, _inputs.input_precision(grad_out.dtype),
                deterministic)  # fmt: skip
         plan = self.backward_plans.get(key)
@@ -154,14 +138,13 @@ class Plan:
         return plan
 
     def sizes(self, q: torch.Tensor) -> tuple[int, int, int, int]:
-        """(batch, heads, seqlen_q, seqlen_k) of a call whose query's view is q ((Z, H, T, d), or packed
-        (total, H, d), whose seqlens are the max_seqlens)."""
+        """(batch, heads, seqlen_q, seqlen_k) of a call whose query's view is q (packed: the max_seqlens)."""
         heads = q.shape[1]
         return self.problem.batch_heads // heads, heads, self.problem.seqlen_q, self.problem.seqlen_k
 
     def views(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The tensors as the kernels address them (_inputs.kernel_view): as they are where the plan says
-        they already are; packed sequences as (total, H, d), contiguous."""
+        """The tensors as the kernels address them (_inputs.kernel_view); packed sequences as (total, H, d).
+        """
         return self._kernel_tensors(_inputs.kernel_view, tensors)
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -170,18 +153,17 @@ class Plan:
 
     def _kernel_tensors(self, make: Callable[[torch.Tensor, int, bool], torch.Tensor],
                         tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """make(t, head_dim, host) of each tensor, unless the plan says they already are what it makes;
-        packed sequences' (1, total, H, d) as (total, H, d)."""
+        """make(t, head_dim, host) of each tensor unless the plan says they already are that; packed ones as
+        (total, H, d)."""
         if self.as_is:
             return tensors
         made = tuple(make(t, self.problem.head_dim, self.host) for t in tensors)
         return tuple(x[0] for x in made) if self.problem.varlen else made
 
     def inputs(self, *views: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
-        """The views as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each
-        pass: saving the forward's for the backward would hold twice the inputs in between). Their
-        TF32Splits are the plan's, one for each place of a pass's inputs: the plan's key fixes their
-        layouts."""
+        """The views as the kernels read them: as they are, or under tf32x3 as TF32 parts made by each pass
+        (saved, they would double the memory held between the passes), with one TF32Split of the plan a place.
+        """
         if self.problem.precision != "tf32x3":
             return views
         parts = []
@@ -195,17 +177,14 @@ class Plan:
 
     def run(self, launcher: Callable[[Config], Launcher | LaunchPair], args: Callable[[Config], Any],
             device: torch.device, prologue: Callable[[], None] | None = None) -> Config:  # fmt: skip
-        """Launch the plan's kernel with args(config), after prologue() (a launch it depends on, which may
-        also clear what args made) once its arguments are built: the two then reach the GPU back to back,
-        not a host's argument building apart (a large backward's descriptors took longer than its D
-        preprocess ran). On the plan's first run the config is chosen (the plan's own, else the tuned
-        choice among its candidates) and its launcher made; a config that does not fit this GPU's shared
+        """Launch the plan's kernel with args(config), after prologue() (a launch it depends on) once the
+        arguments are built, so that the two reach the GPU back to back. On the first run the config is chosen
+        (the plan's own, else the tuned choice) and its launcher made; a config too big for this GPU's shared
         memory steps down through smaller(). Returns the config that ran."""
         if self.launch is None:
             if prologue is not None:  # the tuner's runs read what it makes (and run again before the launch)
                 prologue()
-            # One launcher per candidate, so that the timed calls after the first launch directly, as every
-            # later call of the plan will: small problems would otherwise time the JIT's host work.
+            # One launcher per candidate: timed calls then launch directly, as the plan's later calls will.
             launchers: dict[Config, Launcher | LaunchPair] = {}
 
             def run(c: Config) -> None:
@@ -249,9 +228,8 @@ def describe_problem(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tenso
                      band: Band | None, dropout_p: float, deterministic: bool,
                      varlen: tuple[int, int, int] | None, capability: tuple[int, int] | None | bool = False,
                      ) -> tuple[_dispatch.Description, Problem]:  # fmt: skip
-    """The dispatch's Description of a tuned pass (_plan's arguments) and the Problem its configs are chosen
-    for: the Gluon kernels' candidates where the table chose them. capability: a described device's (see
-    _dispatch.describe; its SM count an H100's)."""
+    """The dispatch's Description of a tuned pass and the Problem its configs are chosen for. capability: a
+    described device's (_dispatch.describe; its SM count an H100's)."""
     precision = _inputs.input_precision(q.dtype)
     head_dim = _inputs.padded_head_dim(q.shape[-1], q.element_size())
     layouts = tensors[:3] if pass_name == "fwd" else tensors[:5]  # (not cu_seqlens)
@@ -279,14 +257,10 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
           scale: float | None, config: Any, deterministic: bool = False, grad_lse: bool = False,
           band: Band | None = None, dropout_p: float = 0.0, grouped: bool = False,
           varlen: tuple[int, int, int] | None = None) -> Plan:  # fmt: skip
-    """The plan of this call's layout: created, not yet run, on the first call with it (the forward's
-    after checking its inputs). tensors starts with q and k (and v); grad_lse: whether the backward gets
-    a gradient of L; band: band_of's. dropout_p is in the key as the scale is: its threshold and scale are
-    arguments that the JIT specializes (by their size), which a plan's direct launches must keep.
-    grouped: whether k and v may have fewer heads than q (checked with the inputs, so in the key:
-    FlashAttentionTriton's calls refuse what triton_forward's accept). varlen: packed sequences' (batch,
-    max_seqlen_q, max_seqlen_k) (plan_parts), q (total_q, Hq, d) and k (total_k, Hkv, d), checked
-    by the caller (_validation.varlen_op_arguments); tensors then end with cu_seqlens_q and cu_seqlens_k."""
+    """The plan of this call's layout, made (not run) on its first call, the forward's after checking its
+    inputs. tensors: q, k (and v, out, dO), then packed sequences' cu_seqlens; grad_lse: whether the backward
+    gets a gradient of L; band: band_of's; dropout_p is in the key as the scale is (the JIT specializes their
+    arguments); grouped: whether k and v may have fewer heads than q; varlen: plan_parts'."""
     try:
         precision = _inputs.input_precision(q.dtype)
         layouts = ((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
@@ -329,16 +303,11 @@ def triton_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    config: ForwardConfig | None = None, *, window: tuple[int, int] | None = None,
                    dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
                    packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(O, L) from the Triton forward kernel (`config`, or the tuned choice); O dense in q's order of
-    dims (_inputs.output_like: q's strides where q is dense, as SDPA's), L float32 of shape
-    q.shape[:-1], the logsumexp of the scores without dropout. k and v may have fewer heads than q:
-    grouped-query attention, q (..., Hq, Tq, d) and k, v (..., Hkv, Tk, d) with Hkv dividing Hq, query
-    head h reading K/V head h // (Hq / Hkv). window=(left, right), -1 unbounded: query i sees keys
-    i - left .. i + right only (and right = 0 under is_causal), top-left aligned; a row that sees no key
-    gets O 0, L -inf. dropout_p > 0 drops probabilities as _dropout says, from rng_state
-    (_dropout.draw_rng's (seed, offset) on q's device; a row's counters are its query head's). packed:
-    q, k, v are packed sequences (Packed; no window), is_causal top-left within each, L (total_q, Hq),
-    dropout's counters those of _dropout.Dropout.packed; never split key tiles or the Gluon kernels."""
+    """(O, L) from the Triton forward (`config`, or the tuned choice): O laid out as _inputs.output_like, L
+    float32 of shape q.shape[:-1] (the logsumexp without dropout). k and v may have fewer heads than q
+    (grouped-query attention). window=(left, right), -1 unbounded, top-left; dropout_p > 0 drops as _dropout
+    says, from rng_state. packed: q, k, v are packed sequences (Packed; L (total_q, Hq)), run without split
+    key tiles or the Gluon kernels."""
     out, lse, _ = _forward(q, k, v, is_causal, scale, config, grouped=True, band=band_of(window, is_causal),
                            dropout_p=dropout_p, rng_state=rng_state, packed=packed)  # fmt: skip
     return out, lse
@@ -348,8 +317,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
              config: ForwardConfig | None, grouped: bool, band: Band | None = None, dropout_p: float = 0.0,
              rng_state: torch.Tensor | None = None,
              packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor, Plan]:  # fmt: skip
-    """triton_forward's (O, L) and the plan that made them (its scale is the one used); grouped: k and v
-    may have fewer heads than q."""
+    """triton_forward's (O, L) and the plan that made them (its scale is the one used)."""
     check_rng(dropout_p, rng_state)
     cu_seqlens, varlen, packed_args = plan_parts(packed)
     # (_plan checks a layout's first inputs)
@@ -415,8 +383,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
 
     with _launcher.device_guard(q):
         plan.run(launcher, args, q.device)
-    # (a copy only where the kernels could not write out in place: a head dim padded up to 16 bytes a row,
-    # or a layout that kernel-built descriptors cannot describe)
+    # (a copy only where the kernels could not write out in place)
     return _inputs.copy_back(out, o4), lse, plan
 
 
@@ -427,16 +394,12 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     share_allocation: bool = True, window: tuple[int, int] | None = None,
                     dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
                     packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (in a launch of its own unless the
-    problem is small), then dK/dV and dQ in one launch (two for a split config); with fewer K/V heads than
-    query heads (grouped-query attention), dK and dV per query head, summed over each group after (one
-    launch of group_sum for both).
-    grad_lse, the gradient of L where it is used too, is subtracted from D (dS = P (dP - D + dL));
-    deterministic leaves out the atomic dQ. forward_plan: the plan of the forward that made out and lse
-    from these q, k, v, which keeps this backward's plan for the layout of grad_out. share_allocation: dQ,
-    dK, dV may be slices of one allocation (not for a custom op, whose outputs must not alias one
-    another). window: the forward's; dropout_p and rng_state: the forward's, whose mask the kernels draw
-    again. packed: the forward's."""
+    """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (its own launch unless the problem is small),
+    then dK/dV and dQ in one launch (two for a split config); under grouped-query attention dK and dV per
+    query head, summed over each group after. grad_lse (dS = P (dP - D + dL)) is subtracted from D;
+    deterministic leaves out the atomic dQ; forward_plan keeps this backward's plan; share_allocation: the
+    gradients may share one allocation (not for a custom op, whose outputs must not alias). window, dropout_p,
+    rng_state, packed: the forward's."""
     check_rng(dropout_p, rng_state)
     kernels = _launcher.kernels()
     band = band_of(window, is_causal)
@@ -452,8 +415,7 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     q4, k4, v4, o4, do4 = plan.views((q, k, v, out, grad_out))
     batch, heads, seqlen_q, seqlen_k = plan.sizes(q4)
     group = plan.problem.group
-    # The gradients in their inputs' layouts (_inputs.output_like), written in place where the kernels can
-    # address them (as_is: contiguous 4-D inputs, so contiguous gradients).
+    # The gradients in their inputs' layouts, written in place where the kernels can address them.
     if share_allocation and plan.as_is and q.shape == k.shape:  # an allocation is host time a small problem
         grads = torch.empty((3, *q.shape), dtype=q.dtype, device=q.device).unbind()  # notices
     else:
@@ -469,10 +431,9 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         if per_head is None:
             per_head = tuple(t.new_empty((t.shape[0], heads, *t.shape[2:])) for t in (dk4, dv4))
         return per_head
-    # L, D and the atomic variant's float32 dQ sum by rows, (runs, H, rows, ...): a run for each batch
-    # element, or one for all packed sequences (O and dO as (1, H, total_q, d)). The sum is zeroed before
-    # each run (by the preprocess where there is one), padded to whole tiles of up to 128 rows so that its
-    # updates need no masks (packed: a tile past a sequence's end adds zeros up to 128 rows further).
+    # L, D and the atomic dQ's float32 sum as (runs, H, rows, ...): a run a batch element, or one for all
+    # packed sequences. The sum is padded to whole 128-row tiles (packed: 128 more) so that its updates need
+    # no masks.
     if packed is None:
         runs, rows, padding, dq_rows = batch, seqlen_q, 0, dq4
         o_strides, do_strides = o4.stride()[:3], do4.stride()[:3]
@@ -571,11 +532,8 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
 
 class FlashAttentionTriton(AttentionFunction):
-    """FlashAttention-2 forward and backward as Triton kernels: ``FlashAttentionTriton.apply(q, k, v)``.
-
-    q: (..., Tq, d), k and v: (..., Tk, d) CUDA tensors with the same leading dims and dtype (float16,
-    bfloat16 or float32), head dim up to 256. Saves Q, K, V, O and L (float32, shape q.shape[:-1]).
-    """
+    """FlashAttention-2 as Triton kernels: ``FlashAttentionTriton.apply(q, k, v)``, q (..., Tq, d), k and v
+    (..., Tk, d) CUDA tensors with q's leading dims and dtype, head dim up to 256."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
