@@ -512,7 +512,7 @@ def test_gluon_kernels_take_gqa_model_layouts_and_causal_windows(monkeypatch, ho
         assert [g.stride() for g in grads] == [_inputs.output_like(t).stride() for t in (q, k, v)]
         assert_close(dict(zip(NAMES, (out, lse, *grads), strict=True)), want, dtype)
         if forward is not None and backward is not None:
-            offered = [plan.problem.uses_hopper for plan in triton_impl._plans.values()]
+            offered = [plan.problem.hopper for plan in triton_impl._plans.values()]
             assert offered and all(offered)
 
 

@@ -328,14 +328,9 @@ class Problem:
         from L2 more often). Packed sequences add "varlen"."""
         return (self.pass_name, self.block_d, str(self.dtype).removeprefix("torch."), self.is_causal,
                 self.precision, size_class(max(self.seqlen_q, self.seqlen_k)), size_class(self.batch_heads),
-                size_class(self.group), self.uses_hopper, self.deterministic,
+                size_class(self.group), self.hopper, self.deterministic,
                 self.band_span and size_class(self.band_span), self.dropout,
                 *("varlen",) * self.varlen)  # fmt: skip
-
-    @property
-    def uses_hopper(self) -> bool:
-        """Whether the Gluon kernels are among the candidates: where the dispatch table chose them."""
-        return self.hopper
 
 
 def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
@@ -354,7 +349,7 @@ def candidates(problem: Problem) -> list[ForwardConfig | BackwardConfig]:
         key_class = size_class(problem.band_span) if problem.band_span else seqlen_class
         listed = with_split_key_tiles(listed, seqlen_class, key_class, size_class(problem.batch_heads),
                                       problem.sm_count)  # fmt: skip
-    if problem.uses_hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
+    if problem.hopper:  # after the default: untuned runs (FLASHATTN_TRITON_AUTOTUNE=0) keep the
         # portable kernel, and the tuner skips a Gluon build that another Triton version refuses. A program
         # a K/V head's tile is balanced where every key tile has the same work (not causal, no band).
         per_kv_head = problem.group > 1 and not (problem.is_causal or problem.band_span)

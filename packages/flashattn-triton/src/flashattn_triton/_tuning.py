@@ -52,7 +52,7 @@ def defaults_only() -> bool:
 
 def default_config(candidates: list, problem: Problem) -> Any:
     """The heuristic config: the Gluon kernels' first where the dispatch table chose them, else the first."""
-    if problem.uses_hopper:
+    if problem.hopper:
         return next((c for c in candidates if c.hopper), candidates[0])
     return candidates[0]
 

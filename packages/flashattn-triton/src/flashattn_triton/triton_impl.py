@@ -281,7 +281,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
         description, problem = describe_problem(pass_name, q, tensors, is_causal, band, dropout_p,
                                                 deterministic, varlen)  # fmt: skip
         head_dim = problem.head_dim
-        if config is not None and config.hopper and not problem.uses_hopper:
+        if config is not None and config.hopper and not problem.hopper:
             raise ValueError(f"config {config}: the Gluon kernels do not run this problem: "
                              f"{_dispatch.why_not(_dispatch.GLUON, description)}")
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
