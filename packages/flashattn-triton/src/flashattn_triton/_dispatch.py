@@ -12,11 +12,12 @@ conditions all hold, and ``explain`` reports the first failing condition of each
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -235,18 +236,16 @@ def describe(pass_name: str, q: torch.Tensor, k: torch.Tensor, tensors: tuple[to
 _recorded: list[Description] | None = None
 
 
-class recording:  # noqa: N801 (a context manager, named as contextlib's are)
+@contextlib.contextmanager
+def recording() -> Iterator[list[Description]]:
     """``with recording() as seen:`` collects the Description of every pass the ops run, eager, compiled or
     captured."""
-
-    def __enter__(self) -> list[Description]:
-        global _recorded
-        self.outer, _recorded = _recorded, []
-        return _recorded
-
-    def __exit__(self, *exc: object) -> None:
-        global _recorded
-        _recorded = self.outer
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
 
 
 def log(d: Description) -> None:

@@ -326,10 +326,10 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 def varlen_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    cu_seqlens_k: torch.Tensor,
-                    max_seqlen_k: int, *, dropout_p: float, rng_state: torch.Tensor | None, scale: float,
-                    band: Band, grad_lse: torch.Tensor | None = None,
-                    tile_k: int = TILE_K) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                    cu_seqlens_k: torch.Tensor, max_seqlen_k: int, *, dropout_p: float,
+                    rng_state: torch.Tensor | None, scale: float, band: Band,
+                    grad_lse: torch.Tensor | None = None, tile_k: int = TILE_K,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dQ, dK, dV), packed like q, k, v, of varlen_forward."""
     grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
     for sequence in _sequences(cu_seqlens_q, cu_seqlens_k):
