@@ -29,25 +29,19 @@ def check_device(q: torch.Tensor) -> None:
     if q.device.type == "cuda":
         return
     if q.device.type != "cpu" or not interpret_requested():
-        raise RuntimeError(
-            f"FlashAttentionTriton got q on {q.device}; its kernels need CUDA tensors. On this device use "
-            "flashattn_triton.flash_attention(...) or FlashAttentionTorch.apply(...), or set "
-            "TRITON_INTERPRET=1 before the first call to run the Triton kernels in Triton's (slow) CPU "
-            "interpreter"
-        )
+        raise RuntimeError(f"FlashAttentionTriton got q on {q.device}; its kernels need CUDA tensors. On "
+                           "this device use flashattn_triton.flash_attention(...) or "
+                           "FlashAttentionTorch.apply(...), or set TRITON_INTERPRET=1 before the first "
+                           "call to run the Triton kernels in Triton's (slow) CPU interpreter")
     if not _launcher.interpreted():
         _launcher.kernels()  # (without Triton, its error says how to install it)
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after flashattn_triton's Triton kernels were built for the GPU, so "
-            "they cannot run on CPU tensors in this process; set it before the first call (or use "
-            "FlashAttentionTorch)"
-        )
+        raise RuntimeError("TRITON_INTERPRET=1 was set after flashattn_triton's Triton kernels were built "
+                           "for the GPU, so they cannot run on CPU tensors in this process; set it before "
+                           "the first call (or use FlashAttentionTorch)")
     if q.dtype == torch.bfloat16:  # its dot products come out wrong there (seen with Triton 3.9)
-        raise TypeError(
-            "bfloat16 is not supported by Triton's CPU interpreter (TRITON_INTERPRET=1), whose bfloat16 "
-            "dot products are wrong; use float32 or float16 there, or unset TRITON_INTERPRET to run the "
-            "PyTorch path"
-        )
+        raise TypeError("bfloat16 is not supported by Triton's CPU interpreter (TRITON_INTERPRET=1), whose "
+                        "bfloat16 dot products are wrong; use float32 or float16 there, or unset "
+                        "TRITON_INTERPRET to run the PyTorch path")
 
 
 def output_like(x: torch.Tensor) -> torch.Tensor:

@@ -80,10 +80,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     lead = -3 if enable_gqa else -2  # the dims that must be q's: before the heads under enable_gqa
     for name, t in (("k", k), ("v", v)):
         if t.shape[:lead] != q.shape[:lead]:
-            raise ValueError(
-                f"{name}'s batch/head dims {tuple(t.shape[:lead])} differ from q's {tuple(q.shape[:lead])} "
-                f"(q {tuple(q.shape)}, {name} {tuple(t.shape)}); they must be equal"
-            )
+            raise ValueError(f"{name}'s batch/head dims {tuple(t.shape[:lead])} differ from q's "
+                             f"{tuple(q.shape[:lead])} (q {tuple(q.shape)}, {name} {tuple(t.shape)}); they "
+                             "must be equal")
     if enable_gqa:
         _check_heads(("q", "k", "v"), q, k, v, True, -3)
     _check_keys(("k", "v"), k, v)
@@ -120,9 +119,8 @@ def check_window(window_size: object) -> tuple[int, int]:
         raise TypeError(f"window_size must be None or a pair of ints (left, right), got {window_size!r}")
     left, right = window_size
     if left < UNBOUNDED or right < UNBOUNDED:
-        raise ValueError(
-            f"window_size={tuple(window_size)}: each side is a number of keys >= 0, or -1 for unbounded"
-        )
+        raise ValueError(f"window_size={tuple(window_size)}: each side is a number of keys >= 0, or -1 for "
+                         "unbounded")
     return left, right
 
 
@@ -184,15 +182,11 @@ def _check_heads(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, 
     if q_heads == k_heads:
         return
     if not enable_gqa:
-        raise ValueError(
-            f"{q_name} has {q_heads} heads but {k_name} and {v_name} have {k_heads}: different head counts "
-            "need enable_gqa=True (grouped-query attention)"
-        )
+        raise ValueError(f"{q_name} has {q_heads} heads but {k_name} and {v_name} have {k_heads}: different "
+                         "head counts need enable_gqa=True (grouped-query attention)")
     if k_heads == 0 or q_heads % k_heads:
-        raise ValueError(
-            f"Number of heads in {k_name} and {v_name} ({k_heads}) must divide the number of heads in "
-            f"{q_name} ({q_heads}) for grouped-query attention"
-        )
+        raise ValueError(f"Number of heads in {k_name} and {v_name} ({k_heads}) must divide the number of "
+                         f"heads in {q_name} ({q_heads}) for grouped-query attention")
 
 
 def _causal_bias(attn_mask: object) -> tuple[int, int, bool] | None:
@@ -209,24 +203,19 @@ def _check_mask(mask: object, q: torch.Tensor, seqlen_k: int) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be None, a torch.Tensor or a CausalBias, got {type(mask).__name__}")
     if mask.dtype != torch.bool and mask.dtype not in (q.dtype, torch.float32):
-        raise TypeError(
-            f"attn_mask.dtype is {mask.dtype}: expected attn_mask dtype to be bool or float (query's dtype "
-            f"{q.dtype}, or float32)"
-        )
+        raise TypeError(f"attn_mask.dtype is {mask.dtype}: expected attn_mask dtype to be bool or float "
+                        f"(query's dtype {q.dtype}, or float32)")
     if mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "attn_mask requires grad, but flash_attention computes no gradient for the mask; detach it "
-            "(or use scaled_dot_product_attention for a learned bias)"
-        )
+        raise ValueError("attn_mask requires grad, but flash_attention computes no gradient for the mask; "
+                         "detach it (or use scaled_dot_product_attention for a learned bias)")
     if mask.device != q.device:
         raise ValueError(f"attn_mask is on {mask.device} but query is on {q.device}; use one device")
     target = (*q.shape[:-1], seqlen_k)
     if mask.dim() > len(target) or any(
         m not in (1, t) for m, t in zip(reversed(mask.shape), reversed(target), strict=False)
     ):
-        raise ValueError(
-            f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., Hq, Tq, Tk) = {target}"
-        )
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., Hq, Tq, Tk) = "
+                         f"{target}")
     mask = mask.reshape((1,) * (len(target) - mask.dim()) + tuple(mask.shape))
     if len(target) == 3:
         return mask.unsqueeze(0)
@@ -247,10 +236,9 @@ def op_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     _check_like(names, query, key, value)
     for name, t in (("key", key), ("value", value)):
         if t.dim() != query.dim() or t.shape[:-3] != query.shape[:-3]:
-            raise ValueError(
-                f"{name}'s batch dims {tuple(t.shape[:-3])} differ from query's {tuple(query.shape[:-3])} "
-                f"(query {tuple(query.shape)}, {name} {tuple(t.shape)}); they must be equal"
-            )
+            raise ValueError(f"{name}'s batch dims {tuple(t.shape[:-3])} differ from query's "
+                             f"{tuple(query.shape[:-3])} (query {tuple(query.shape)}, {name} "
+                             f"{tuple(t.shape)}); they must be equal")
     _check_flag("enable_gqa", enable_gqa)
     _check_heads(names, query, key, value, enable_gqa, -3)
     _check_keys(("key", "value"), key, value)
@@ -264,17 +252,13 @@ def op_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
             raise ValueError("attn_mask (a CausalBias) and is_causal=True were both given; give one of them")
         bias_q, bias_k, lower_right = causal
         if (bias_q, bias_k) != (seqlen_q, seqlen_k):
-            raise ValueError(
-                f"attn_mask is a CausalBias for (Tq, Tk) = ({bias_q}, {bias_k}) but query and key have "
-                f"({seqlen_q}, {seqlen_k})"
-            )
+            raise ValueError(f"attn_mask is a CausalBias for (Tq, Tk) = ({bias_q}, {bias_k}) but query and "
+                             f"key have ({seqlen_q}, {seqlen_k})")
         band, mask = _band(window_size, True, seqlen_k - seqlen_q if lower_right else 0), None
     else:
         if attn_mask is not None and is_causal:
-            raise ValueError(
-                "attn_mask and is_causal=True were both given: _scaled_dot_product_attention: Explicit "
-                "attn_mask should not be set when is_causal=True"
-            )
+            raise ValueError("attn_mask and is_causal=True were both given: _scaled_dot_product_attention: "
+                             "Explicit attn_mask should not be set when is_causal=True")
         band = _band(window_size, is_causal, 0)
         mask = None if attn_mask is None else _check_mask(attn_mask, query, seqlen_k)
     dropout_p = check_dropout(dropout_p)
@@ -344,10 +328,8 @@ def check_packed_rows(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tens
         if cu.device.type == "cpu":
             _check_cu_seqlens_values(name, cu.tolist(), x.shape[0], total_name, max_name, max_seqlen)
         elif cu.device.type != "meta":
-            message = (
-                f"{name} must start at 0, be non-decreasing, end at {total_name}'s rows "
-                f"({x.shape[0]}) and hold no sequence longer than {max_name}={max_seqlen}"
-            )
+            message = (f"{name} must start at 0, be non-decreasing, end at {total_name}'s rows "
+                       f"({x.shape[0]}) and hold no sequence longer than {max_name}={max_seqlen}")
             _launcher.assert_async(packed_rows_valid(cu, x.shape[0], max_seqlen), message)
 
 

@@ -191,18 +191,12 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
 
-def _attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
-                   rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
-                   diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
-                   max_seqlen_q: int, max_seqlen_k: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _attn_fwd_fake(q: Tensor, *options: Any) -> tuple[Tensor, Tensor]:
     return _inputs.output_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                   lse: Tensor, attn_mask: Tensor | None, dropout_p: float, rng_state: Tensor | None,
-                   scale: float, window_left: int, window_right: int, diagonal_offset: int,
-                   cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, max_seqlen_q: int,
-                   max_seqlen_k: int, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _attn_bwd_fake(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                   *options: Any) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return _inputs.output_like(q), _inputs.output_like(k), _inputs.output_like(v)
 
 
@@ -232,11 +226,10 @@ def _gradients(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None, backw
 
 
 def _no_forward_derivative(ctx: Any, *tangents: Any) -> None:
-    raise NotImplementedError(
-        "flash_attention has no forward-mode derivative (torch.func.jvp, torch.autograd.forward_ad), as "
-        "scaled_dot_product_attention's flash backend has none; for forward-mode AD use "
-        "scaled_dot_product_attention under torch.nn.attention.sdpa_kernel(SDPBackend.MATH)"
-    )
+    raise NotImplementedError("flash_attention has no forward-mode derivative (torch.func.jvp, "
+                              "torch.autograd.forward_ad), as scaled_dot_product_attention's flash backend "
+                              "has none; for forward-mode AD use scaled_dot_product_attention under "
+                              "torch.nn.attention.sdpa_kernel(SDPBackend.MATH)")
 
 
 class _GradientsOnce(torch.autograd.Function):
@@ -257,11 +250,10 @@ class _GradientsOnce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple:
-        raise RuntimeError(
-            "flash_attention's gradients have no derivative: its backward kernels cannot be differentiated "
-            "again (a second backward after create_graph=True, torch.func.grad of grad); for higher "
-            "derivatives use scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH)"
-        )
+        raise RuntimeError("flash_attention's gradients have no derivative: its backward kernels cannot be "
+                           "differentiated again (a second backward after create_graph=True, "
+                           "torch.func.grad of grad); for higher derivatives use "
+                           "scaled_dot_product_attention under sdpa_kernel(SDPBackend.MATH)")
 
 
 def _backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
