@@ -1,10 +1,7 @@
-"""The tuned Triton kernels' configs (block sizes, warps, pipeline stages), and planning: from a problem to
-the configs its kernels may run with, as a pure function.
-
-``candidates(problem)`` is what the launcher tunes among at run time (triton_impl) and what
-``scripts/tune.py`` times offline; the default (untuned) config is its first. ``Problem.size_key`` names the
-problem's size class: problems of one class share their tuned choice (_tuning). Where no candidate fits a
-smaller GPU's shared memory, the launcher steps down from the first through :func:`smaller` until one does.
+"""The tuned Triton kernels' configs (block sizes, warps, stages) and planning: ``candidates(problem)``, the
+configs a problem may run with (the default first), which the launcher tunes among and ``scripts/tune.py``
+times offline; problems of one ``Problem.size_key`` share a tuned choice (_tuning). Where no candidate fits a
+GPU's shared memory, :func:`smaller` steps down.
 """
 
 from __future__ import annotations
@@ -56,11 +53,11 @@ class ForwardConfig:
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """A program owns block_n keys and block_n queries, stepping through the queries block_m at a time for
-    dK/dV and through the keys for dQ; atomic_dq instead adds dQ up atomically in the dK/dV loop. hopper: the
-    Gluon kernel (num_stages ring stages, consumers partitions of num_warps warps, 16 keys a warp).
-    transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (float32 at full accuracy: every operand K-major); split runs
-    dK/dV and dQ as two launches, the dQ launch's steps and stages dq_block_m and dq_stages where given."""
+    """A program owns block_n keys and queries, stepping through queries block_m at a time for dK/dV and keys
+    for dQ; atomic_dq adds dQ atomically in the dK/dV loop. hopper: the Gluon kernel (num_stages ring stages,
+    consumers partitions of num_warps warps). transposed_grads accumulates dKᵀ, dVᵀ, dQᵀ (every operand
+    K-major); split runs dK/dV and dQ as two launches, the dQ one with dq_block_m and dq_stages where given.
+    """
 
     block_m: int
     block_n: int

@@ -31,8 +31,7 @@ from flashattn_triton._validation import UNBOUNDED
 
 GLUON, TUNED, FEATURES, TORCH = "gluon-sm90", "tuned-triton", "feature-triton", "pytorch"
 BACKENDS = (GLUON, TUNED, FEATURES, TORCH)  # fastest first
-# Head dims each Gluon kernel compiles for without spills (the backward at d = 128 in 32-row steps with dQ
-# transposed, or 64-row query-major ones: _hopper_kernels.transposed_step, query_major_step).
+# Head dims each Gluon kernel compiles for without spills.
 GLUON_HEAD_DIMS = {"fwd": (64, 128), "bwd": (16, 32, 64, 128)}
 GLUON_ROWS = 128  # the Gluon kernels' tile: Tq = Tk a multiple of it
 

@@ -131,8 +131,7 @@ class Dropout:
             + torch.arange(first_call, end_call, device=device)
             + (self.base + self.rng[1])
         )
-        # Each call's 16 bytes in key order (byte k of output w for key 4w + k), the calls side by side:
-        # the bytes of keys first_call * 16 onwards.
+        # Each call's 16 bytes in key order (byte k of output w for key 4w + k), from key first_call * 16.
         outputs = torch.stack(philox(self.rng[0], counter), -1).unsqueeze(-1)
         shifts = torch.arange(0, 32, 8, device=device)
         random_bytes = ((outputs >> shifts) & 0xFF).flatten(-3)

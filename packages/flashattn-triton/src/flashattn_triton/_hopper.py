@@ -171,8 +171,8 @@ def _no_schedule(device: torch.device) -> torch.Tensor:
 def _schedule_args(pass_name: str, q: torch.Tensor, block_m: int, block_n: int, band: dict[str, Any],
                    work_heads: int, heads_an_item: int, sm_count: int | None) -> dict[str, Any]:  # fmt: skip
     """PERSISTENT, ROUNDS and the work schedule of a launch of at most sm_count programs (made once a
-    problem), or with None a program an item. band: _band_args'. The forward computes rounds in the kernel
-    (ROUNDS) rather than read them, which cost it time; the backward gained nothing from that."""
+    problem), or with None a program an item. The forward computes rounds in the kernel (ROUNDS) rather than
+    read them."""
     if sm_count is None:
         return dict(PERSISTENT=False, ROUNDS=False, schedule=_no_schedule(q.device))
     programs = persistent_programs(q.shape[2] // block_n * work_heads, sm_count)

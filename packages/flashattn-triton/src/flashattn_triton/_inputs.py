@@ -113,9 +113,8 @@ def input_precision(dtype: torch.dtype) -> str:
 
 
 def host_descriptors(device: torch.device) -> bool:
-    """Whether the host builds the tensor descriptors: on Hopper and later (once per address: a kernel-built
-    one costs every program a write and a fence), and for the interpreter; elsewhere the kernels build them
-    from contiguous tensors."""
+    """Whether the host builds the tensor descriptors (once per address; a kernel-built one costs every
+    program a write and a fence): on Hopper and later, and for the interpreter."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device)[0] >= 9

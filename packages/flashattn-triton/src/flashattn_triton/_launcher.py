@@ -201,9 +201,8 @@ def _descriptors(args: tuple) -> list:
 
 
 def scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Scratch memory of one launch (Triton's allocator protocol) for kernel-built descriptors: a fresh
-    allocation each launch, since a buffer kept from a warm-up of torch.compile's CUDA graph trees would hold
-    memory of the graph's pool."""
+    """Scratch memory of one launch (Triton's allocator protocol), fresh each launch: a kept buffer made in a
+    warm-up of torch.compile's CUDA graph trees would hold the graph pool's memory."""
     return torch.empty(size, dtype=torch.int8, device=torch.device("cuda", torch.cuda.current_device()))
 
 
@@ -241,16 +240,14 @@ def assert_async(condition: torch.Tensor, message: str) -> None:
     torch._assert_async(condition, message)
 
 
-# GPU clock cycles a millisecond, rounded up from an H100's boost clock (1.98 GHz): a queue's sleep lasts
-# at least as long as planned on any GPU clocked lower.
+# GPU clock cycles a millisecond, rounded up from an H100's boost clock: a sleep lasts at least as planned.
 _CYCLES_PER_MS = 2_000_000
 _QUEUE_TRIES = 3
 
 
 def gpu_milliseconds(fn: Callable[[], None], rep_ms: float) -> float:
-    """fn's GPU time a call, host time excluded: about rep_ms worth of calls queued behind a sleep kernel
-    longer than the host takes to queue them, so that the GPU runs them back to back (timed as ordinary calls,
-    a small problem's configs would measure the host)."""
+    """fn's GPU time a call, host time excluded: about rep_ms worth of calls queued behind a sleep kernel, so
+    that the GPU runs them back to back (timed as ordinary calls, small problems would time the host)."""
     fn()  # (compiles, fills caches)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -355,9 +352,8 @@ def launch_hooked() -> bool:
 
 
 class LaunchArgs:
-    """The arguments of a compiled kernel's C launch function by the addresses of the call's tensors and
-    Tiles: tensors as addresses, Tiles as encoded host-built descriptors. A Launcher's plan and config fix all
-    else, so repeated addresses skip building and encoding the descriptors."""
+    """A compiled kernel's C launch arguments by the addresses of the call's tensors and Tiles (tensors as
+    addresses, Tiles as encoded descriptors): the plan fixes all else."""
 
     MAX_ENTRIES = 256  # new addresses without end (ever new tensors) start it over rather than grow it
 
@@ -410,9 +406,8 @@ _thread = threading.local()
 
 
 def ensure_context(device: int) -> None:
-    """Make ``device``'s primary CUDA context current in this thread if none is: host-built descriptors and
-    the C launch need one, and torch starts autograd's device thread without one (a small problem's backward
-    failed with "invalid device context")."""
+    """Make ``device``'s primary CUDA context current in this thread if none is: descriptors and the C launch
+    need one, and torch starts autograd's device thread without one."""
     if getattr(_thread, "device", None) == device:
         return
     libcuda, context = _libcuda(), ctypes.c_void_p()

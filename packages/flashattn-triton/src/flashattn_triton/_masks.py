@@ -62,9 +62,8 @@ def band_of_mask(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, remember: boo
                  ) -> tuple[int, int] | None:  # fmt: skip
     """(left, right) of the top-left band that mask (broadcastable to (B, H, Tq, Tk)) encodes, -1 unbounded;
     None where it encodes something else or cannot be read now. Only bands whose first and last rows see a key
-    count: every row then sees one, so a float mask's lowest value hides exactly what the band hides.
-    remember: keep the answer until the tensor's version changes (eager calls; a compiled graph may write a
-    dead buffer in place)."""
+    count (then every row sees one, and a float mask's lowest value hides what the band hides). remember: keep
+    the answer until the tensor's version changes (eager calls only)."""
     if mask.shape[-2:] != (seqlen_q, seqlen_k) or not _readable(mask) or not seqlen_q or not seqlen_k:
         return None
     seen = _SEEN.get(id(mask)) if remember else None

@@ -1,13 +1,11 @@
-"""The config of each problem size class: tuned on request, shipped, or the heuristic default.
-
-First found: the choice tuned in this process or kept on disk by an earlier tuning on this machine (a JSON
-file per GPU and software versions under ``$FLASHATTN_TRITON_CACHE_DIR``, else
-``$XDG_CACHE_HOME/flashattn_triton``, else ``~/.cache/flashattn_triton``, in a subdirectory of the format's
-version); the choice shipped for sm_90 (``tuned/sm90.json``, where the package holds one); else
-``default_config``. Tuning runs only when asked (``FLASHATTN_TRITON_AUTOTUNE=1`` or
-``flashattn_triton.tune(...)``), never while a CUDA graph is captured or a compile traces.
+"""The config of each problem size class, first found: the choice tuned in this process or on disk by an
+earlier tuning on this machine (a JSON file per GPU and software versions under
+``$FLASHATTN_TRITON_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashattn_triton``, else
+``~/.cache/flashattn_triton``); the choice shipped for sm_90 (``tuned/sm90.json``, where the package holds
+one); else ``default_config``. Tuning runs only when asked (``FLASHATTN_TRITON_AUTOTUNE=1``,
+``flashattn_triton.tune(...)``), never under CUDA graph capture or a compile trace;
 ``FLASHATTN_TRITON_AUTOTUNE=0`` runs the defaults only; ``FLASHATTN_TRITON_AUTOTUNE_LOG=1`` prints each
-tuning's timings to stderr.
+tuning's timings.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from flashattn_triton._configs import Problem, describe
 from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources, triton_version
 from flashattn_triton._version import __version__
 
-# The cache files' layout and what a choice means; a change makes a new subdirectory rather than misread
-# old files (2: choices by GPU time, _launcher.gpu_milliseconds).
+# The cache files' format: a change makes a new subdirectory rather than misread old files.
 FORMAT = 2
 # Candidates within this fraction of the fastest tie (near-equal kernels' times vary that much between
 # processes), and the first of them wins.

@@ -38,15 +38,13 @@ def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * q k^T + mask) v as scaled_dot_product_attention computes it, by FlashAttention-2.
 
-    Positional order and semantics are SDPA's. query: (..., Hq, Tq, d); key, value: (..., Hkv, Tk, d);
-    float16, bfloat16 or float32 (3-D inputs are (heads, T, d)). Causal masking is top-left aligned
-    (query i sees keys j <= i). scale defaults to 1/sqrt(d). window_size=(left, right), -1 unbounded:
-    query i sees keys i - left .. i + right. return_lse=True returns (out, lse), lse float32 of shape
-    (..., Hq, Tq). Runs the Triton kernels on CUDA (and on CPU under TRITON_INTERPRET=1), the PyTorch
-    path elsewhere, through the custom ops torch.ops.flashattn_triton.attn_fwd/attn_bwd, so that it
-    compiles (torch.compile, torch.export) and captures into CUDA graphs. Under torch.autocast the
-    inputs are cast to the autocast dtype first, as SDPA's are.
-    """
+    SDPA's positional order and semantics. query: (..., Hq, Tq, d); key, value: (..., Hkv, Tk, d); float16,
+    bfloat16 or float32 (3-D inputs: (heads, T, d)). Causal masking is top-left (query i sees keys j <= i);
+    scale defaults to 1/sqrt(d). window_size=(left, right), -1 unbounded: query i sees keys i - left .. i +
+    right. return_lse=True returns (out, lse), lse float32 (..., Hq, Tq). Runs through the custom ops
+    torch.ops.flashattn_triton.attn_fwd/attn_bwd (so it compiles, exports and captures into CUDA graphs) on
+    the backend the dispatch table picks (``explain`` says which). Under torch.autocast the inputs are cast
+    first, as SDPA's are."""
     autocast = _autocast_inputs((query, key, value))
     if autocast is not None:
         device_type, (query, key, value) = autocast
@@ -99,10 +97,9 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
             enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None, grad: bool | None = None,
             device_capability: tuple[int, int] | None = None) -> Explained:
     """Which backend and config flash_attention with the same arguments would run, eager or compiled, and why
-    not each faster backend: the dispatch table's answer, computing nothing. grad: explain the backward too
-    (default: whether an input requires grad). device_capability: explain for a CUDA device of this capability
-    (e.g. (9, 0): an H100/H200 with Triton and Gluon), the tensors (CPU, meta) standing for inputs of their
-    shapes and strides."""
+    not each faster backend, computing nothing. grad: explain the backward too (default: whether an input
+    requires grad). device_capability: explain for a CUDA device of this capability (e.g. (9, 0): H100/H200),
+    the tensors (CPU, meta) standing for inputs of their shapes and strides."""
     args = op_arguments(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, window_size)
     dropout = check_dropout(dropout_p) > 0.0
     if grad is None:
@@ -146,9 +143,8 @@ def _explain_pass(pass_name: str, tensors: tuple[torch.Tensor, ...], options: di
 def tune(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
          enable_gqa: bool = False, *, window_size: tuple[int, int] | None = None) -> Explained:
-    """Tune the configs of flash_attention(query, key, value, ...)'s problem class on this machine now,
-    forward and backward (every candidate timed on the GPU), and keep the choices on disk (_tuning); returns
-    explain()'s answer after. Calls never tune on their own."""
+    """Tune the configs of flash_attention(query, key, value, ...)'s problem class on this machine now (every
+    candidate timed on the GPU) and keep the choices on disk (_tuning); returns explain()'s answer after."""
     leaves = [t.detach().clone().requires_grad_() for t in (query, key, value)]
     _tuning._requested = True
     try:

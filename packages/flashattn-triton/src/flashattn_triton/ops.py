@@ -286,8 +286,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor | None, grad_lse: Tensor | None) -> tuple:
-        # Through the op only where a graph of the gradients is built; elsewhere the dispatcher (and
-        # _GradientsOnce's wrapper) is host time.
+        # Through the op only where a graph of the gradients is built (the dispatcher costs host time).
         backward = _GradientsOnce.apply if torch.is_grad_enabled() else attention_backward
         _eager.active = True
         try:
@@ -297,9 +296,8 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _TransformedAttention(torch.autograd.Function):
-    """attn_fwd and its autograd for torch.func's transforms and forward-mode AD, which register_autograd's
-    does not serve (the transforms refuse it; forward-mode AD passed it by with zero tangents). vmap runs the
-    op per sample; forward-mode AD raises."""
+    """attn_fwd with its autograd for torch.func's transforms and forward-mode AD, which register_autograd's
+    does not serve. vmap runs the op per sample; forward-mode AD raises."""
 
     generate_vmap_rule = True
     setup_context = staticmethod(_setup_context)

@@ -67,9 +67,8 @@ Config = TypeVar("Config", ForwardConfig, BackwardConfig)
 
 
 class GroupSum:
-    """Grouped-query attention's dK and dV of one layout: each query head's (Z, H, T, d), summed over each
-    group into (Z, Hkv, T, d) views of any strides (unit along d), both in one launch of _kernels.group_sum
-    whose arguments but the tensors the plan's key fixes."""
+    """Grouped-query attention's dK and dV of one layout, each query head's (Z, H, T, d), summed over each
+    group into (Z, Hkv, T, d) views (unit stride along d) by one launch of _kernels.group_sum."""
 
     # A program's dK and dV loads in flight (16-bit elements) and its float32 sums: no spills on sm_90.
     LOADS = 16384
@@ -104,13 +103,11 @@ class GroupSum:
 
 @dataclasses.dataclass
 class Plan:
-    """How one problem layout runs: the descriptor mode, the problem, its candidate configs, the config chosen
-    and its launchers. A forward's plan is made for inputs that passed check_inputs, and its key holds all
-    they read."""
+    """How one problem layout runs: descriptor mode, problem, candidates, the config chosen and its launchers.
+    A forward's key holds all that check_inputs read."""
 
     scale: float  # the softmax scale, checked (and defaulted) when the forward's plan was made
-    # The host builds the descriptors of inputs and outputs (_inputs.host_descriptors); never for packed
-    # sequences, whose kernels describe each sequence's rows (a host-built descriptor would span them all).
+    # The host builds the descriptors (_inputs.host_descriptors), never for packed sequences' (per sequence).
     host: bool
     tma_dq: bool  # the atomic dQ's float32 sum is reduced in TMA tiles (Hopper), else with element atomics
     as_is: bool  # every tensor is already what _inputs.kernel_view makes of it
@@ -161,9 +158,8 @@ class Plan:
         return tuple(x[0] for x in made) if self.problem.varlen else made
 
     def inputs(self, *views: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, ...]:
-        """The views as the kernels read them: as they are, or under tf32x3 as TF32 parts made by each pass
-        (saved, they would double the memory held between the passes), with one TF32Split of the plan a place.
-        """
+        """The views as the kernels read them: as they are, or as TF32 parts under tf32x3 (made by each pass,
+        one TF32Split of the plan a place: saved, they would double the memory between the passes)."""
         if self.problem.precision != "tf32x3":
             return views
         parts = []
@@ -285,8 +281,7 @@ def _plan(pass_name: str, q: torch.Tensor, tensors: tuple[torch.Tensor, ...], is
             raise ValueError(f"config {config}: the Gluon kernels do not run this problem: "
                              f"{_dispatch.why_not(_dispatch.GLUON, description)}")
         as_is = all(_inputs.is_kernel_view(t, head_dim) for t in tensors)
-        # D from O in the backward kernel for small problems (not from tf32x3's parts, which would spill;
-        # not where a gradient of L joins D, which the preprocess path adds).
+        # D from O in the backward kernel for small problems (not from tf32x3's parts; not with dL).
         delta_from_o = problem.small and precision != "tf32x3" and not grad_lse
         mask_args = {**kernel_band(band, problem.seqlen_q, problem.seqlen_k),
                      "CAUSAL": is_causal and band is None,
@@ -395,11 +390,10 @@ def triton_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
                     packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) from the Triton backward: D = rowsum(dO * O) (its own launch unless the problem is small),
-    then dK/dV and dQ in one launch (two for a split config); under grouped-query attention dK and dV per
-    query head, summed over each group after. grad_lse (dS = P (dP - D + dL)) is subtracted from D;
-    deterministic leaves out the atomic dQ; forward_plan keeps this backward's plan; share_allocation: the
-    gradients may share one allocation (not for a custom op, whose outputs must not alias). window, dropout_p,
-    rng_state, packed: the forward's."""
+    then dK/dV and dQ in one launch (two for a split config), grouped-query attention's dK, dV summed over
+    each group after. grad_lse is subtracted from D (dS = P (dP - D + dL)); deterministic: no atomic dQ;
+    forward_plan keeps this backward's plan; share_allocation: one allocation for the gradients (not in a
+    custom op). window, dropout_p, rng_state, packed: the forward's."""
     check_rng(dropout_p, rng_state)
     kernels = _launcher.kernels()
     band = band_of(window, is_causal)
@@ -547,8 +541,7 @@ class FlashAttentionTriton(AttentionFunction):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:  # fmt: skip
-        # once_differentiable only under create_graph=True, where its gradients must refuse a second
-        # differentiation; elsewhere its wrapper is host time a small problem notices.
+        # once_differentiable only where its gradients must refuse a second derivative (its wrapper costs).
         return (_gradients_once if torch.is_grad_enabled() else _gradients)(ctx, grad_out)
 
 
