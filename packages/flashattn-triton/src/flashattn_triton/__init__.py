@@ -1,10 +1,10 @@
 """FlashAttention-2 forward and backward in PyTorch and Triton, a drop-in for scaled_dot_product_attention."""
 
-from flashattn_triton._version import __version__
 from flashattn_triton.functional import Explained, explain, flash_attention, flash_attention_varlen, tune
 from flashattn_triton.torch_impl import FlashAttentionTorch, reference_attention, reference_logsumexp
 from flashattn_triton.triton_impl import FlashAttentionTriton
 
+__version__ = "0.3.0"
 __all__ = [
     "Explained",
     "FlashAttentionTorch",

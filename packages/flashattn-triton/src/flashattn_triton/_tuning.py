@@ -25,7 +25,6 @@ import torch
 
 from flashattn_triton._configs import Problem, describe
 from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources, triton_version
-from flashattn_triton._version import __version__
 
 # The cache files' format: a change makes a new subdirectory rather than misread old files.
 FORMAT = 2
@@ -88,7 +87,9 @@ class TuningCache:
 
     def file(self, device: torch.device) -> Path:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        versions = f"torch-{torch.__version__}-triton-{triton_version()}-flashattn_triton-{__version__}"
+        # (the package's version read where it is: importing the package here would be an import cycle)
+        package = sys.modules[__package__].__version__
+        versions = f"torch-{torch.__version__}-triton-{triton_version()}-flashattn_triton-{package}"
         return cache_dir() / f"{_slug(gpu)}-{_slug(versions)}.json"
 
     def choose(self, run: Callable[[Any], None], candidates: list, problem: Problem,
