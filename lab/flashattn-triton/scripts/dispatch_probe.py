@@ -6,7 +6,7 @@ packages on PYTHONPATH):
     python lab/flashattn-triton/scripts/dispatch_probe.py routes              # the Llama-style model's routes
     python lab/flashattn-triton/scripts/dispatch_probe.py hf                  # transformers' Llama's routes
     python lab/flashattn-triton/scripts/dispatch_probe.py why_cold 4x8x2048x64   # cProfile of a first call
-    python lab/flashattn-triton/scripts/dispatch_probe.py why_host            # cProfile of small calls, floors
+    python lab/flashattn-triton/scripts/dispatch_probe.py why_host     # cProfile of small calls, and floors
 
 cold: import, first forward and first backward (bf16, causal, (B, H, T, d) contiguous), each synchronized,
 then a second call; run it with empty TRITON_CACHE_DIR and FLASHATTN_TRITON_CACHE_DIR for a fresh machine.
