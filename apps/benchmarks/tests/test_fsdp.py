@@ -61,9 +61,8 @@ def built_sharded(strategy: str) -> dict[str, object]:
 def test_sharded_strategies_build_on_meta_and_initialise_every_weight(strategy):
     import torch
 
-    from minddp.launch import spawn
-
     from benchmarks.model import TransformerLM, model_config
+    from minddp.launch import spawn
 
     # a hang guard for the two gloo ranks, not a time limit: they take seconds
     per_rank = spawn(built_sharded, 2, (strategy,), start_method="fork", timeout_s=900)
