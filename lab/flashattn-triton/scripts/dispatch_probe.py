@@ -5,6 +5,8 @@ packages on PYTHONPATH):
     python lab/flashattn-triton/scripts/dispatch_probe.py host                # per-call host time vs SDPA
     python lab/flashattn-triton/scripts/dispatch_probe.py routes              # the Llama-style model's routes
     python lab/flashattn-triton/scripts/dispatch_probe.py hf                  # transformers' Llama's routes
+    python lab/flashattn-triton/scripts/dispatch_probe.py why_cold 4x8x2048x64   # cProfile of a first call
+    python lab/flashattn-triton/scripts/dispatch_probe.py why_host     # cProfile of small calls, and floors
 
 cold: import, first forward and first backward (bf16, causal, (B, H, T, d) contiguous), each synchronized,
 then a second call; run it with empty TRITON_CACHE_DIR and FLASHATTN_TRITON_CACHE_DIR for a fresh machine.
@@ -163,5 +165,80 @@ def hf() -> None:
         print(json.dumps({"transformers": True, "compiled": compiled, "passes": len(seen), "routes": ran}))
 
 
+def _top(profile, sort: str, lines: int) -> None:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).strip_dirs().sort_stats(sort).print_stats(lines)
+    print(text.getvalue()[-6000:])
+
+
+def why_cold(shape: str) -> None:
+    """Where a fresh process's first forward and first backward spend their time (cProfile, cumulative)."""
+    import cProfile
+
+    torch.ones(1, device="cuda").sum().item()
+    import flashattn_triton
+
+    batch, heads, seqlen, head_dim = map(int, shape.split("x"))
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))  # fmt: skip
+    for name in ("forward", "backward"):
+        profile = cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        if name == "forward":
+            out = flashattn_triton.flash_attention(q, k, v, is_causal=True)
+        else:
+            out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        profile.disable()
+        print(f"== first {name}: {time.perf_counter() - start:.3f} s")
+        _top(profile, "cumulative", 35)
+
+
+def why_host() -> None:
+    """cProfile of small forward calls, and the floors: an empty autograd.Function, a one-element Triton
+    kernel launched by kernel[grid], SDPA."""
+    import cProfile
+
+    import triton
+    import triton.language as tl
+
+    import flashattn_triton
+
+    @triton.jit
+    def _add_one(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+    class _Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    x = torch.zeros(1, device="cuda")
+    floors = {"empty autograd.Function us": _per_call(lambda: _Empty.apply(q)),
+              "triton kernel[grid] us": _per_call(lambda: _add_one[(1,)](x)),
+              "sdpa fwd us": _per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+              "flash fwd us": _per_call(lambda: flashattn_triton.flash_attention(q, k, v, is_causal=True))}
+    print(json.dumps({k: round(t, 1) for k, t in floors.items()}))
+    with torch.no_grad():
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(1000):
+            flashattn_triton.flash_attention(q, k, v, is_causal=True)
+        profile.disable()
+    print("== 1000 forward calls, (1, 1, 128, 64), no grad")
+    _top(profile, "tottime", 30)
+
+
 if __name__ == "__main__":
-    {"cold": lambda: cold(sys.argv[2]), "host": host, "routes": routes, "hf": hf}[sys.argv[1]]()
+    {"cold": lambda: cold(sys.argv[2]), "host": host, "routes": routes, "hf": hf,
+     "why_cold": lambda: why_cold(sys.argv[2]), "why_host": why_host}[sys.argv[1]]()

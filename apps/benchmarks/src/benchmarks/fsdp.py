@@ -99,10 +99,19 @@ class Workload:
     def __init__(self, strategy: str, compute: str, cfg: ModelConfig, args: argparse.Namespace,
                  where: torch.device, rank: int) -> None:
         torch.manual_seed(args.seed)
-        with where:
-            model = TransformerLM(cfg, attention=args.attention)
         dtype = COMPUTE[compute]
-        self.wrapped = wrap(strategy, model, dtype, where)
+        if strategy in SHARDED:
+            # Built on the meta device and sharded there, then materialised shard by shard: no rank ever
+            # holds the whole model, so it may be larger than one GPU (FSDP2's deferred init).
+            with torch.device("meta"):
+                model = TransformerLM(cfg, attention=args.attention)
+            self.wrapped = wrap(strategy, model, dtype, where)
+            model.to_empty(device=where)
+            model.init_weights()
+        else:
+            with where:
+                model = TransformerLM(cfg, attention=args.attention)
+            self.wrapped = wrap(strategy, model, dtype, where)
         # DDP computes in bf16 under autocast; the FSDPs cast their gathered weights themselves.
         self.autocast = (dtype is not None and strategy not in SHARDED)
         self.optimizer = torch.optim.AdamW(self.wrapped.parameters(), lr=args.lr)

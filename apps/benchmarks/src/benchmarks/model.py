@@ -51,7 +51,7 @@ class ModelConfig:
             raise ValueError(f"head dim {self.d_model // self.num_heads} must be even for RoPE")
 
 
-# The five sizes of the assignment, plus "tiny" for machines without a GPU.
+# The five sizes of the assignment, "tiny" for machines without a GPU, and two beyond the assignment.
 MODEL_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4),
     "small": ModelConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
@@ -59,6 +59,8 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
     "xl": ModelConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    # Larger than one 141 GB H200 in fp32 with AdamW (16 bytes a parameter): for sharded training (issue 45).
+    "13B": ModelConfig(d_model=5120, d_ff=13824, num_layers=40, num_heads=40),
     # A Llama-style model (issue 40): 16 query heads, 4 K/V heads of d = 128, HuggingFace's layout.
     "llama-8L": ModelConfig(d_model=2048, d_ff=5632, num_layers=8, num_heads=16, num_kv_heads=4),
 }
@@ -142,6 +144,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 for stability, return in the input dtype.
         x32 = x.float()
@@ -152,10 +157,19 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_len: int, theta: float) -> None:
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (T, d/2)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("cos", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_len, head_dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Fill the tables (again after ``to_empty()``, which leaves buffers uninitialised)."""
+        device = self.cos.device
+        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+                                  / self.head_dim)
+        angles = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32, device=device), inv_freq)
+        self.cos.copy_(angles.cos())  # (T, d/2)
+        self.sin.copy_(angles.sin())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Rotate each (even, odd) pair of features by its position's angle.
@@ -258,6 +272,12 @@ class TransformerLM(nn.Module):
         self.segments = checkpoint_segments(checkpoint, cfg.num_layers, checkpoint_every)
         for block in self.blocks:
             block.attn.recompute_core = checkpoint == "attention"
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer: at construction, and once more after ``to_empty()`` of a
+        model built on the meta device and sharded there (FSDP2's deferred init), which leaves them
+        uninitialised."""
         self.apply(_init_weights)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -283,6 +303,8 @@ def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.trunc_normal_(module.weight, std=0.02, a=-0.06, b=0.06)
+    elif isinstance(module, (RMSNorm, RotaryEmbedding)):
+        module.reset_parameters()
 
 
 def count_parameters(model: nn.Module) -> int:

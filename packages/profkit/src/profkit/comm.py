@@ -530,37 +530,32 @@ class CommReport:
 
 
 def _align(timelines: Sequence[RankTimeline]) -> tuple[list[Collective], dict[int, int]]:
-    """Match the k-th collective of each group across ranks, as far as every rank has one.
+    """Match the k-th collective of each kind in each group across ranks, as far as every rank has one.
 
-    Returns the matched collectives and, per rank, how many of its collectives had no partner on
-    every rank (a trace that stopped while one was in flight). Ranks that disagree on what the k-th
-    collective is are an error: their traces are not of the same steps.
+    By kind, not by position among all of a group's collectives: every rank issues them in the same
+    order, but gloo runs asynchronous ones on a pool of threads, so a broadcast can start before an
+    all-gather issued ahead of it on one rank and after it on another. Returns the matched collectives
+    and, per rank, how many of its collectives had no partner on every rank (one in flight when the
+    trace stopped, or traces of different steps).
     """
-    per_rank: dict[int, dict[str, list[CollectiveCall]]] = {}
+    per_rank: dict[int, dict[tuple[str, str], list[CollectiveCall]]] = {}
     for t in timelines:
-        groups: dict[str, list[CollectiveCall]] = defaultdict(list)
+        kinds: dict[tuple[str, str], list[CollectiveCall]] = defaultdict(list)
         for call in t.collectives:
-            groups[call.group].append(call)
-        per_rank[t.rank] = groups
-    names = sorted({g for groups in per_rank.values() for g in groups})
+            kinds[(call.group, call.name)].append(call)
+        per_rank[t.rank] = kinds
     collectives = []
     unmatched: dict[int, int] = defaultdict(int)
-    for group in names:
-        counts = {rank: len(groups.get(group, [])) for rank, groups in per_rank.items()}
+    for group, name in sorted({key for kinds in per_rank.values() for key in kinds}):
+        counts = {rank: len(kinds.get((group, name), [])) for rank, kinds in per_rank.items()}
         common = min(counts.values())
         for rank, count in counts.items():
             unmatched[rank] += count - common
         for k in range(common):
-            calls = {rank: groups[group][k] for rank, groups in per_rank.items()}
-            kinds = {c.name for c in calls.values()}
-            if len(kinds) > 1:
-                raise ValueError(
-                    f"process group {group!r}, collective {k}: ranks disagree on what it is "
-                    f"({ {r: c.name for r, c in calls.items()} }); are these traces of the same steps?"
-                )
+            calls = {rank: kinds[(group, name)][k] for rank, kinds in per_rank.items()}
             first = next(iter(calls.values()))
             nbytes = max(c.nbytes for c in calls.values())
-            collectives.append(Collective(k, first.name, group, nbytes, first.group_size, calls))
+            collectives.append(Collective(k, name, group, nbytes, first.group_size, calls))
     ordered = sorted(collectives, key=lambda c: min(call.start_ns for call in c.calls.values()))
     return ordered, {rank: n for rank, n in unmatched.items() if n}
 
