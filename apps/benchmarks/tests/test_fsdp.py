@@ -29,7 +29,8 @@ def test_two_cpu_ranks_hold_what_the_memory_model_says(tmp_path):
 
 def built_sharded(strategy: str) -> dict[str, object]:
     """On each rank: the device the sharded workload's model was built on, and its full weights after init
-    (as numpy arrays: torch tensors would cross to the launcher through shared memory that dies with the rank)."""
+    (as numpy arrays: torch tensors would cross to the launcher through shared memory that dies with the
+    rank)."""
     import argparse
 
     import torch
