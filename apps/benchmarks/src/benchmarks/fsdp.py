@@ -100,20 +100,17 @@ class Workload:
                  where: torch.device, rank: int) -> None:
         torch.manual_seed(args.seed)
         dtype = COMPUTE[compute]
-        if strategy in SHARDED:
-            # Built on the meta device and sharded there, then materialised shard by shard: no rank ever
-            # holds the whole model, so it may be larger than one GPU (FSDP2's deferred init).
-            with torch.device("meta"):
-                model = TransformerLM(cfg, attention=args.attention)
-            self.wrapped = wrap(strategy, model, dtype, where)
+        sharded = strategy in SHARDED
+        # The sharded ones are built on the meta device and sharded there, then materialised shard by shard:
+        # no rank ever holds the whole model, so it may be larger than one GPU (FSDP2's deferred init).
+        with torch.device("meta") if sharded else where:
+            model = TransformerLM(cfg, attention=args.attention)
+        self.wrapped = wrap(strategy, model, dtype, where)
+        if sharded:
             model.to_empty(device=where)
             model.init_weights()
-        else:
-            with where:
-                model = TransformerLM(cfg, attention=args.attention)
-            self.wrapped = wrap(strategy, model, dtype, where)
         # DDP computes in bf16 under autocast; the FSDPs cast their gathered weights themselves.
-        self.autocast = (dtype is not None and strategy not in SHARDED)
+        self.autocast = dtype is not None and not sharded
         self.optimizer = torch.optim.AdamW(self.wrapped.parameters(), lr=args.lr)
         self.cfg, self.args, self.where = cfg, args, where
         self.generator = torch.Generator(where).manual_seed(args.seed + rank)
