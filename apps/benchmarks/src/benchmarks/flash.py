@@ -394,8 +394,9 @@ def shown_with_noise(df: pd.DataFrame) -> pd.DataFrame:
 def geomean_summary(df: pd.DataFrame, passes: list[str], min_seq: int) -> list[str]:
     """One line per (dtype, impl, SDPA backend): the geometric-mean speedup of each pass over T >= min_seq."""
     lines = []
+    measured = df[~noisy_rows(df)]
     for dtype in df["dtype"].unique():
-        rows = df[(df["dtype"] == dtype) & (df["T"] >= min_seq) & ~noisy_rows(df)]
+        rows = measured[(measured["dtype"] == dtype) & (measured["T"] >= min_seq)]
         for impl in [i for i in rows["impl"].unique() if not i.startswith("sdpa")]:
             mine = rows[rows["impl"] == impl]
             for label in BASELINES:

@@ -19,7 +19,7 @@ from typing import Any
 from profkit.breakdown import memory_breakdown
 from profkit.comm import analyze_comm
 from profkit.kernels import DEFAULT_PHASES, events_from_chrome, summarize_kernels
-from profkit.memory import render_memory_timeline
+from profkit.memory import load_snapshot, render_memory_timeline
 from profkit.tables import format_table
 from profkit.traces import PROFKIT_TRACK, load_trace, trace_files
 
@@ -66,9 +66,10 @@ def summarize(paths: Sequence[str], markdown: bool | None, limit: int) -> str:
 
 
 def memory(snapshot: str, png: str | None, device: int | None, markdown: bool | None) -> str:
-    result = memory_breakdown(snapshot, device=device)
+    data = load_snapshot(snapshot)  # once: both the breakdown and the timeline read it
+    result = memory_breakdown(data, device=device)
     out = Path(png) if png else Path(snapshot).with_suffix(".png")
-    timeline = render_memory_timeline(snapshot, out, device=device)
+    timeline = render_memory_timeline(data, out, device=device)
     return "\n\n".join([
         result.format(markdown),
         f"Timeline: {out} (peak {timeline.peak_bytes / 2**20:.1f} MiB at event {timeline.peak_position:,} "

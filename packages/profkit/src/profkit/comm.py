@@ -2,7 +2,7 @@
 
     report = profkit.analyze_comm(["trace_rank0.json.gz", "trace_rank1.json.gz"])
     print(report.format())            # per rank and in total, per step
-    print(report.collective_table())  # per collective: bytes, bus bandwidth, who waited for whom
+    print(report.collective_rows())   # per collective: bytes, bus bandwidth, who waited for whom
 
 Reads Chrome traces (:func:`profkit.trace` writes them; any torch.profiler ``export_chrome_trace``
 file works). What counts as what:
