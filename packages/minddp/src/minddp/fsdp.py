@@ -103,7 +103,13 @@ class FSDP(nn.Module):
         """``module.state_dict()`` with every tensor whole, on every rank (a collective).
 
         :meth:`load_full_state_dict` takes it at any world size."""
-        return {key: _full(value) for key, value in self.module.state_dict().items()}
+        gathered: dict[int, torch.Tensor] = {}  # by tensor: a tied weight is gathered once for all its keys
+        full = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if id(value) not in gathered:
+                gathered[id(value)] = _full(value.detach())
+            full[key] = gathered[id(value)]
+        return full
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a :meth:`full_state_dict` saved at any world size; each rank keeps its shard."""

@@ -45,17 +45,12 @@ class FlatCollectives:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = device
-        # One rank has nothing to average: a SUM there moves no byte, where NCCL's AVG still runs a
-        # scaling kernel over every unit's gradient (as DDP found at one rank).
-        self._average_in_place = self.world_size > 1 and _backend_for(group, device) in _BACKENDS_WITH_AVG
+        self._average_in_place = _backend_for(group, device) in _BACKENDS_WITH_AVG
         self._flat_gather = self._works(self._try_flat_gather)
         self._flat_reduce = self._works(self._try_flat_reduce)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> dist.Work | None:
         """Fill ``full`` with every rank's ``shard``, in rank order."""
-        if self.world_size == 1:  # no collective: a kernel-launching no-op on NCCL
-            full.copy_(shard)
-            return None
         if self._flat_gather:
             return _all_gather_flat(full, shard, group=self.group, async_op=async_op)
         return dist.all_gather(list(full.chunk(self.world_size)), shard, group=self.group, async_op=async_op)

@@ -78,7 +78,7 @@ class ParamGroup:
         on_grad_ready: Callable[[ParamGroup], None],
     ) -> None:
         self.mesh, self.placements, self._comm = mesh, placements, comm
-        self.compute_device, self.offload, self._pin = compute_device, offload, pin_memory and offload
+        self.compute_device, self.offload, self._pin = compute_device, offload, pin_memory
         self.world_size, rank = comm.world_size, comm.rank
         dtypes = {p.dtype for _, p, _ in named}
         if len(dtypes) > 1:
@@ -96,7 +96,7 @@ class ParamGroup:
                     "does: make it a 1-D tensor of one element"
                 )
             rows = param.shape[0]
-            row_numel = param[0].numel() if rows else int(torch.Size(param.shape[1:]).numel())
+            row_numel = param.shape[1:].numel()
             per_rank = -(-rows // self.world_size)
             local_rows = min(max(rows - rank * per_rank, 0), per_rank)
             self.params.append(
@@ -127,7 +127,7 @@ class ParamGroup:
         self._on_grad_ready = weakref.WeakMethod(on_grad_ready)
         self._leaf: torch.Tensor | None = None
         self._state = _State.FREE
-        self._in_flight: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._in_flight: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None
 
     # --- dtypes ---------------------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class ParamGroup:
         if all(info.param._local_tensor is info.local for info in self.params):
             return
         first = self.params[0].param._local_tensor
-        self.flat = self._new_flat(first.dtype, first.device if not self.offload else torch.device("cpu"))
+        self.flat = self._new_flat(first.dtype, first.device)  # (on the CPU when offloading)
         with torch.no_grad():
             for info in self.params:
                 view = self._local_view(info)
@@ -245,8 +245,7 @@ class ParamGroup:
         if self._state is not _State.GATHERING:
             return
         work, _, gathered = self._in_flight
-        if work is not None:
-            work.wait()
+        work.wait()
         self._in_flight = None
         full = self._full_data()
         torch.split_with_sizes_copy(  # rank-major -> parameter-major

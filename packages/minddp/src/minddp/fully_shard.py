@@ -211,7 +211,7 @@ class FSDPState:
         mp: MixedPrecisionPolicy,
         offload: OffloadPolicy,
     ) -> None:
-        self.module, self.mesh, self.mp = module, mesh, mp
+        self.module, self.mp = module, mp
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
