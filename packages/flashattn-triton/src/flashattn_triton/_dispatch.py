@@ -27,7 +27,7 @@ from flashattn_triton._configs import describe as describe_config
 from flashattn_triton._configs import is_small_problem
 from flashattn_triton._inputs import MAX_HEAD_DIM, input_precision, padded_head_dim
 from flashattn_triton._launcher import env_flag
-from flashattn_triton._validation import UNBOUNDED
+from flashattn_triton._validation import UNBOUNDED, as_4d
 
 GLUON, TUNED, FEATURES, TORCH = "gluon-sm90", "tuned-triton", "feature-triton", "pytorch"
 BACKENDS = (GLUON, TUNED, FEATURES, TORCH)  # fastest first
@@ -65,7 +65,6 @@ class Description:
     group: int = 1
     dropout: bool = False
     varlen: bool = False
-    grad: bool = False
     deterministic: bool = False
     full_float32: bool = False  # float32 at full accuracy (tf32x3), not TF32
     small: bool = False
@@ -164,10 +163,7 @@ def explain_description(d: Description, config: Any = None) -> Explanation:
 
 def layout_class(t: torch.Tensor) -> str:
     """t's layout class (the constants above), t a (B, H, T, d) tensor or packed (total, H, d)."""
-    if t.dim() == 3:
-        t = t.unsqueeze(0)
-    if t.dim() != 4:
-        t = t.reshape(t.shape[:-3].numel(), *t.shape[-3:])
+    t = as_4d(t)
     layout = _hopper.head_layout(t)
     if layout is None:
         return STRIDED if t.stride(-1) == 1 else OTHER
@@ -208,8 +204,7 @@ def window_of(band: tuple[int, int] | None, is_causal: bool) -> tuple[int, int]:
 
 def describe(pass_name: str, q: torch.Tensor, k: torch.Tensor, tensors: tuple[torch.Tensor, ...], *,
              mask: bool = False, window: tuple[int, int] = (UNBOUNDED, UNBOUNDED), diagonal_offset: int = 0,
-             dropout: bool = False, varlen: tuple[int, int, int] | None = None, grad: bool = False,
-             deterministic: bool = False,
+             dropout: bool = False, varlen: tuple[int, int, int] | None = None, deterministic: bool = False,
              capability: tuple[int, int] | None | bool = False) -> Description:  # fmt: skip
     """The Description of a pass over q (B, Hq, Tq, d) and k (or packed (total, H, d) with varlen = (batch,
     max_seqlen_q, max_seqlen_k)), tensors being all it reads (q, k, v[, out, dO]). capability: the device's
@@ -228,8 +223,8 @@ def describe(pass_name: str, q: torch.Tensor, k: torch.Tensor, tensors: tuple[to
     small = is_small_problem(batch_heads, seqlen_q, seqlen_k, padded_head_dim(head_dim, q.element_size()))
     return Description(pass_name, capability, triton, gluon, q.dtype, head_dim, seqlen_q, seqlen_k,
                        tuple(layout_class(t) for t in tensors), "tensor" if mask else "none", window,
-                       diagonal_offset, heads // max(kv_heads, 1), dropout, varlen is not None, grad,
-                       deterministic, input_precision(q.dtype) == "tf32x3", small)  # fmt: skip
+                       diagonal_offset, heads // max(kv_heads, 1), dropout, varlen is not None, deterministic,
+                       input_precision(q.dtype) == "tf32x3", small)  # fmt: skip
 
 
 _recorded: list[Description] | None = None

@@ -13,7 +13,6 @@ from flashattn_triton._validation import as_4d
 MAX_HEAD_DIM = 256  # the Triton kernels' largest head dim
 
 
-interpret_requested = _launcher.interpret_requested
 
 
 def check_head_dim(q: torch.Tensor) -> None:
@@ -28,7 +27,7 @@ def check_device(q: torch.Tensor) -> None:
     """Errors for a device the Triton kernels cannot run on (CPU only in the interpreter)."""
     if q.device.type == "cuda":
         return
-    if q.device.type != "cpu" or not interpret_requested():
+    if q.device.type != "cpu" or not _launcher.interpret_requested():
         raise RuntimeError(f"FlashAttentionTriton got q on {q.device}; its kernels need CUDA tensors. On "
                            "this device use flashattn_triton.flash_attention(...) or "
                            "FlashAttentionTorch.apply(...), or set TRITON_INTERPRET=1 before the first "

@@ -19,6 +19,7 @@ import inspect
 import operator
 import os
 import tarfile
+import tempfile
 import threading
 import time
 import warnings
@@ -110,16 +111,27 @@ def seed_triton_cache(capability: tuple[int, int]) -> int:
                 data = tar.extractfile(member).read()
                 if Path(member.name).name.startswith("__grp__"):
                     data = data.replace(PORTABLE_ROOT.encode(), (str(cache) + os.sep).encode())
-                target.parent.mkdir(exist_ok=True)
-                temporary = target.with_name(target.name + ".tmp")
-                temporary.write_bytes(data)
-                os.replace(temporary, target)  # (no reader sees half a file)
+                write_atomically(target, data)
                 added += target.name.endswith(".json") and not target.name.startswith("__grp__")
         marker.touch()
     except (OSError, tarfile.TarError) as exc:  # a read-only cache, a torn archive: kernels compile instead
         warnings.warn(f"flashattn_triton: could not add the shipped kernels to Triton's cache {cache}: {exc}",
                       RuntimeWarning, stacklevel=2)  # fmt: skip
     return added
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` whole through a temporary file of its own, renamed over it: no reader, and no other
+    process writing it at the same time, sees half a file. Raises OSError (and leaves no temporary file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as file:
+        temporary = Path(file.name)
+        file.write(data)
+    try:
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def env_flag(name: str, default: bool) -> bool:

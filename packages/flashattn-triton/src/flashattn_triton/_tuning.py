@@ -15,7 +15,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,13 @@ from typing import Any
 import torch
 
 from flashattn_triton._configs import Problem, describe
-from flashattn_triton._launcher import env_flag, gpu_milliseconds, out_of_resources, triton_version
+from flashattn_triton._launcher import (
+    env_flag,
+    gpu_milliseconds,
+    out_of_resources,
+    triton_version,
+    write_atomically,
+)
 
 # The cache files' format: a change makes a new subdirectory rather than misread old files.
 FORMAT = 2
@@ -182,17 +187,9 @@ class TuningCache:
                  "times_ms": {describe(c): t for c, t in times.items()}}  # fmt: skip
         entries = {**self._read(path), name: entry}
         self.stored[path] = entries
-        temporary = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
-                                             delete=False) as file:  # fmt: skip
-                temporary = Path(file.name)
-                json.dump(entries, file, indent=1, sort_keys=True)
-            os.replace(temporary, path)
+            write_atomically(path, json.dumps(entries, indent=1, sort_keys=True).encode())
         except OSError as exc:  # a read-only home: the choice still holds for this process
-            if temporary is not None:
-                temporary.unlink(missing_ok=True)
             warnings.warn(f"flashattn_triton: could not write the tuning cache {path}: {exc}", RuntimeWarning,
                           stacklevel=4)  # fmt: skip
 

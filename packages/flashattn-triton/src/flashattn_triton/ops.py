@@ -132,11 +132,6 @@ def _packed_sequences(options: dict[str, Any]) -> triton_impl.Packed | None:
                               options["max_seqlen_k"])  # fmt: skip
 
 
-def _check_triton_inputs(q: Tensor) -> None:
-    _inputs.check_device(q)
-    _inputs.check_head_dim(q)
-
-
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                       rng_state: Tensor | None, scale: float, window_left: int, window_right: int,
                       diagonal_offset: int, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
@@ -158,7 +153,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
         return triton_impl.triton_forward(q, k, v, window_right == 0, scale, window=tuned_window(options),
                                           dropout_p=dropout_p, rng_state=rng_state,
                                           packed=_packed_sequences(options))  # fmt: skip
-    _check_triton_inputs(q)
+    _inputs.check_device(q)  # (the dispatch table sent only head dims the kernels take)
     return feature_impl.feature_forward(q, k, v, **options)
 
 
@@ -187,7 +182,7 @@ def attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: 
                                            share_allocation=False, window=tuned_window(options),
                                            dropout_p=dropout_p, rng_state=rng_state,
                                            packed=_packed_sequences(options))  # fmt: skip
-    _check_triton_inputs(q)
+    _inputs.check_device(q)  # (the dispatch table sent only head dims the kernels take)
     return feature_impl.feature_backward(grad_out, q, k, v, out, lse, **options)
 
 
