@@ -8,7 +8,6 @@ import pandas as pd
 from benchmarks.report.core import (
     Context,
     Section,
-    axes,
     in_prose,
     missing_columns,
     missing_note,
@@ -17,10 +16,9 @@ from benchmarks.report.core import (
     stacked_bars,
     times_less,
 )
-from benchmarks.report.overlap import overlap_panel, overlap_sentence
+from benchmarks.report.overlap import TRACED_COLUMNS, overlap_lines
 
 FSDP_PARTS = ["params_MB", "grads_MB", "optimizer_MB", "other_MB"]
-TRACED = ["comm_ms", "exposed_comm_ms", "overlap_pct"]  # benchmarks.fsdp's columns from traces
 
 
 def render_fsdp(ctx: Context) -> list[str]:
@@ -33,21 +31,16 @@ def render_fsdp(ctx: Context) -> list[str]:
         if missing:
             lines += [missing_note("The comparison", missing), ""]
             continue
-        lines += [*fsdp_findings(ctx, f.df), "", fsdp_plot(ctx, f.df) or "", *overlap_lines(ctx, f.df)]
+        lines += [*fsdp_findings(ctx, f.df), "", fsdp_plot(ctx, f.df) or "", *fsdp_overlap_lines(ctx, f.df)]
     return lines
 
 
-def overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
-    """Each case's communication per iteration, overlapped and exposed: a sentence and a plot."""
-    if missing_columns(df, TRACED):
+def fsdp_overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
+    if missing_columns(df, TRACED_COLUMNS):
         return []
     labels = [f"{s} {c}" for s, c in zip(df["strategy"], df["compute"], strict=True)]
-    sentence = overlap_sentence(labels, *(df[c] for c in TRACED), unit="iteration")
-    if sentence is None:
-        return []
-    fig, (ax,) = axes(1)
-    overlap_panel(ax, labels, *(df[c] for c in TRACED), unit="iteration")
-    return ["", sentence, "", ctx.figure("fsdp_overlap", fig, "communication overlap per strategy and dtype")]
+    lines = overlap_lines(ctx, labels, df, "fsdp_overlap", "communication overlap per strategy and dtype")
+    return ["", *lines] if lines else []
 
 
 def fsdp_findings(ctx: Context, df: pd.DataFrame) -> list[str]:

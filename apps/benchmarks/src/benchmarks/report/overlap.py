@@ -8,7 +8,23 @@ from collections.abc import Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from benchmarks.report.core import numeric, style
+from benchmarks.report.core import Context, axes, numeric, style
+
+# The columns benchmarks.fsdp and benchmarks.shardopt take from their traces.
+TRACED_COLUMNS = ["comm_ms", "exposed_comm_ms", "overlap_pct"]
+
+
+def overlap_lines(ctx: Context, labels: Sequence[str], df: pd.DataFrame, figure: str,
+                  caption: str) -> list[str]:
+    """Each case's communication per iteration (df's TRACED_COLUMNS), overlapped and exposed: a sentence and
+    a plot."""
+    traced = [df[c] for c in TRACED_COLUMNS]
+    sentence = overlap_sentence(labels, *traced, unit="iteration")
+    if sentence is None:
+        return []
+    fig, (ax,) = axes(1)
+    overlap_panel(ax, labels, *traced, unit="iteration")
+    return [sentence, "", ctx.figure(figure, fig, caption)]
 
 
 def overlap_sentence(labels: Sequence[str], comm: pd.Series, exposed: pd.Series, overlap: pd.Series,

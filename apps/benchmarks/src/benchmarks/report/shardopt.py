@@ -8,7 +8,6 @@ import pandas as pd
 from benchmarks.report.core import (
     Context,
     Section,
-    axes,
     in_prose,
     missing_columns,
     missing_note,
@@ -17,10 +16,9 @@ from benchmarks.report.core import (
     stacked_bars,
     times_less,
 )
-from benchmarks.report.overlap import overlap_panel, overlap_sentence
+from benchmarks.report.overlap import TRACED_COLUMNS, overlap_lines
 
 SHARDOPT_PARTS = ["parameters_MB", "gradients_MB", "optimizer_state_MB", "other_MB"]
-TRACED = ["comm_ms", "exposed_comm_ms", "overlap_pct"]  # benchmarks.shardopt's columns from traces
 
 
 def render_shardopt(ctx: Context) -> list[str]:
@@ -49,7 +47,7 @@ def render_shardopt(ctx: Context) -> list[str]:
                 speed.append(f"- ShardedOptimizer against ZeroRedundancyOptimizer: {delta * 100:+.1f}% per "
                              "iteration.")
             lines += ctx.speed(*speed)
-        lines += overlap_lines(ctx, df)
+        lines += shardopt_overlap_lines(ctx, df)
         lines.append("")
     if goal is not None:
         lines += ctx.table(goal, "Goals")
@@ -69,16 +67,10 @@ def is_time(criterion: str) -> bool:
     return criterion.endswith("(ms)")
 
 
-def overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
-    """Each optimizer's communication per iteration, overlapped and exposed: a sentence and a plot."""
-    if missing_columns(df, ["optimizer", *TRACED]):
+def shardopt_overlap_lines(ctx: Context, df: pd.DataFrame) -> list[str]:
+    if missing_columns(df, ["optimizer", *TRACED_COLUMNS]):
         return []
-    sentence = overlap_sentence(df["optimizer"], *(df[c] for c in TRACED), unit="iteration")
-    if sentence is None:
-        return []
-    fig, (ax,) = axes(1)
-    overlap_panel(ax, df["optimizer"], *(df[c] for c in TRACED), unit="iteration")
-    return [sentence, "", ctx.figure("shardopt_overlap", fig, "communication overlap per optimizer")]
+    return overlap_lines(ctx, df["optimizer"], df, "shardopt_overlap", "communication overlap per optimizer")
 
 
 def shardopt_memory_findings(ctx: Context, df: pd.DataFrame) -> list[str]:
