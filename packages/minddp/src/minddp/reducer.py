@@ -178,8 +178,7 @@ class Reducer:
             name for name, arrived in zip(self.names, self.arrived, strict=True) if not arrived]
         for bucket in self.buckets:
             bucket.scatter(self.wait(bucket.pending, bucket.reduced), used)
-        if self.ready_order is not None and not skipped:  # every rank knows skipped: all rebuild or none
-            self.rebuild_buckets()
+        self.rebuild_buckets(skipped)
         self.reset()
         self.expecting, self.averaged = False, True
         if skipped:
@@ -205,8 +204,7 @@ class Reducer:
         self.open_round(taking_part=True)
         self.shadow_buckets(self.buckets)
         skipped = self.close_round(completed=True)[1]
-        if self.ready_order is not None and not skipped:  # as the ranks still training do at this round's end
-            self.rebuild_buckets()
+        self.rebuild_buckets(skipped)  # as the ranks still training do at this round's end
         self.reset()
 
     def shadow_buckets(self, buckets: list[Bucket]) -> None:
@@ -226,14 +224,17 @@ class Reducer:
         self.bucket_of = [owner[i] for i in range(len(self.params))]
         return made
 
-    def rebuild_buckets(self) -> None:
+    def rebuild_buckets(self, skipped: set[int]) -> None:
         """Rebuild the buckets in the order the gradients arrived (one broadcast, once): rank 0's order on
-        every rank, so their collectives match; a parameter that got no gradient comes last.
+        every rank, so their collectives match; a parameter that got no gradient comes last. Not after a
+        round some rank skipped (every rank knows it: all rebuild or none), nor once rebuilt.
 
         The gradients of the old buckets stay where they are (still the ``.grad``); the next backward
         moves them into the new buffers as it fills them.
         """
-        assert self.ready_order is not None and self.rebuild_limits is not None
+        if self.ready_order is None or skipped:
+            return
+        assert self.rebuild_limits is not None
         arrived = set(self.ready_order)
         order = self.ready_order + [i for i in range(len(self.params) - 1, -1, -1) if i not in arrived]
         agreed = torch.tensor(order, dtype=torch.int64).to(self.comm_device)
