@@ -100,20 +100,19 @@ def build_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optim
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=lr)
 
 
-def local_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
-    """The optimizer state this rank holds (ZeroRedundancyOptimizer keeps it in its inner optimizer)."""
-    return optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state (ZeroRedundancyOptimizer keeps it in its inner one)."""
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer, device: torch.device) -> list[int]:
-    return [held_bytes(state.values(), device) for state in local_state(optimizer).values()]
+    return [held_bytes(state.values(), device) for state in local_optimizer(optimizer).state.values()]
 
 
 def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
     """Parameters, gradients and optimizer state held now (profkit.memory_breakdown's tensor sizes), in
     bytes, and the peak allocated (CUDA only)."""
-    holder = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    held = memory_breakdown(model=model, optimizer=holder).bytes
+    held = memory_breakdown(model=model, optimizer=local_optimizer(optimizer)).bytes
     peak = read_peak_memory(device)
     return {"parameters": held["parameters"], "gradients": held["gradients"],
             "optimizer state": held["optimizer state"],
