@@ -40,7 +40,9 @@ def test_torch_path_matches_float64_reference(problem, seed, dtype):
     is_causal = rng.random() < 0.5
     layout = rng.choice(["contiguous", "contiguous", "transposed", "padded"])
     scale = rng.choice([None, None, 1.5 / math.sqrt(head_dim)])
-    p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, layout=layout, scale=scale)
+    # The data from the case's seed too: a case that fails fails again (an unseeded draw once left dq near 0
+    # by cancellation, where FlashAttention's D = rowsum(dO * O) rounds relative to dO and O, not to dq).
+    p = problem(lead, seqlen_q, seqlen_k, head_dim, dtype, is_causal, layout=layout, scale=scale, seed=seed)
     q, k, v = p.inputs()
     out = FlashAttentionTorch.apply(q, k, v, is_causal=is_causal, scale=scale)
     (lse,) = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
